@@ -1,0 +1,24 @@
+# All targets run inside the environment that scripts/env.sh creates outside the
+# checkout (keyed by the pins in requirements/) and reuses on later runs.
+.PHONY: env env-path test test-fast run bench-convert
+
+env:
+	@scripts/env.sh >/dev/null
+
+env-path:
+	@scripts/env.sh 2>/dev/null
+
+# The whole CPU suite (what CI runs). GPU tests are skipped without a GPU.
+test:
+	@scripts/test.sh
+
+# The quick inner-loop suite: no multi-rank Megatron or SGLang engine tests.
+test-fast:
+	@scripts/test.sh -m "not slow"
+
+# The embedded CPU main job.
+run:
+	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} "$$env/bin/marsrl" selfcheck
+
+bench-convert:
+	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} "$$env/bin/marsrl" bench convert

@@ -1,0 +1,5 @@
+import sys
+
+from megatron_marsrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Entry points of the `marsrl` subcommands (thin: parse args, call the library)."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's Python environment OUTSIDE the checkout and
+# prints its directory on stdout. The directory name is a hash of the pins, so a
+# fresh clone with unchanged requirements reuses the ~11 GB SGLang stack instead
+# of reinstalling it; changing any pin builds a new environment beside it.
+#
+#   scripts/env.sh          # create/reuse, print the path (progress on stderr)
+#   MARSRL_ENV_ROOT=/somewhere scripts/env.sh
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${MARSRL_PYTHON:-python3.11}
+command -v "$python" >/dev/null || { echo "env.sh: $python not found; set MARSRL_PYTHON to a Python 3.11 interpreter" >&2; exit 2; }
+key=$( { "$python" --version 2>&1; cat "$root/requirements/cpu.txt" "$root/requirements/megatron.txt" "$root/scripts/env.sh"; } | sha256sum | cut -c1-12)
+base=${MARSRL_ENV_ROOT:-$HOME/.cache/megatron_marsrl}
+env="$base/venv-$key"
+mkdir -p "$base"
+exec 9>"$base/.lock-$key"
+flock 9   # two concurrent set-ups of the same pins wait for each other
+if [ ! -f "$env/.complete" ]; then
+  echo "env.sh: creating $env (first run with these pins takes ~6-10 min)" >&2
+  rm -rf "$env"
+  "$python" -m venv "$env"
+  "$env/bin/pip" install -q --upgrade pip >&2
+  "$env/bin/pip" install -q -r "$root/requirements/cpu.txt" >&2
+  "$env/bin/pip" install -q --no-deps --ignore-requires-python -r "$root/requirements/megatron.txt" >&2
+  touch "$env/.complete"   # written last: a half-built env is never reused
+fi
+# The package itself is installed editable against *this* checkout every time
+# (seconds), so a reused environment always runs the code next to this script.
+"$env/bin/pip" install -q --no-deps --no-build-isolation -e "$root" >&2 2>/dev/null \
+  || "$env/bin/pip" install -q --no-deps -e "$root" >&2
+echo "$env"
