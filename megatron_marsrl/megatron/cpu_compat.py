@@ -1,0 +1,141 @@
+"""CPU compatibility layer for megatron-core (applied only when CUDA is absent).
+
+Covers megatron-core 0.19.2 with torch 2.14.1 (CUDA build without a driver, or CPU build).
+Each patch says what it replaces and why; delete a patch when upstream stops calling CUDA on
+that path. GPU runs never reach this module: parallel.init_parallel applies it only when
+``torch.cuda.is_available()`` is False, and :func:`apply` re-checks.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_applied = False
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: on CPU every op is already synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda_rng() -> None:
+    # Megatron's RNG tracker (tensor_parallel/random.py: CudaRNGStatesTracker.add/fork,
+    # model_parallel_cuda_manual_seed) saves, seeds and restores the *CUDA* generator so that
+    # TP ranks draw different dropout masks. Without a driver those calls raise; route them to
+    # the CPU generator, which is the one CPU kernels draw from.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # (default_generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _patch_torch_cuda_streams() -> None:
+    # MoE token dispatchers, the router and TP mappings create/wait on CUDA streams and events
+    # and call synchronize()/current_device(); on CPU these are no-ops.
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+# CUDA-only extension packages that the SGLang install brings along. Megatron guards their
+# imports with `except ImportError`, but without libcuda.so they raise OSError while loading
+# their .so, which escapes the guard. A None entry in sys.modules makes `import x` raise
+# ImportError, so Megatron takes its documented "not installed" path.
+_CUDA_ONLY_MODULES = ("flash_mla",)
+
+
+def _hide_cuda_only_modules() -> None:
+    import sys
+
+    for name in _CUDA_ONLY_MODULES:
+        sys.modules.setdefault(name, None)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda"))
+
+
+def _on_cpu(fn):
+    """Wrap a torch factory so device='cuda'/pin_memory=True become a plain CPU tensor."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+_FACTORIES = ("tensor", "as_tensor", "ones", "zeros", "empty", "full", "arange", "rand", "randn",
+              "randint", "eye", "linspace", "empty_strided")
+
+
+def _patch_hardcoded_cuda_devices() -> None:
+    # Masks (transformer/utils.get_default_causal_mask), schedules (total_num_tokens), the
+    # optimizer, clip_grads, dist-checkpointing and the MoE token dispatcher allocate with a
+    # literal device="cuda", call .cuda() or pin host memory. Allocating those on the CPU is
+    # exactly what a CPU run needs; nothing else changes.
+    for name in _FACTORIES:
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu",) + args[1:]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def apply() -> None:
+    """Install all patches once. A no-op when CUDA is available."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    _hide_cuda_only_modules()
+    _patch_torch_cuda_rng()
+    _patch_torch_cuda_streams()
+    _patch_hardcoded_cuda_devices()
+    _applied = True
