@@ -1,0 +1,1 @@
+"""Answer matching (math-verify) and the agent-specific rewards built on it."""
