@@ -8,6 +8,7 @@ that path. GPU runs never reach this module: parallel.init_parallel applies it o
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
@@ -104,17 +105,51 @@ def _on_cpu(fn):
     return wrapper
 
 
-_FACTORIES = ("tensor", "as_tensor", "ones", "zeros", "empty", "full", "arange", "rand", "randn",
-              "randint", "eye", "linspace", "empty_strided")
+_FACTORIES = frozenset(("tensor", "as_tensor", "ones", "zeros", "empty", "full", "arange", "rand",
+                        "randn", "randint", "eye", "linspace", "empty_strided"))
+
+# Megatron modules that reach the code paths we run (model, schedules, optimizer, DDP,
+# dist-checkpointing); imported up-front so their `torch` global can be redirected below.
+_MEGATRON_MODULES = (
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing.serialization",
+    "megatron.core.transformer.moe.token_dispatcher",
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as Megatron modules see it on CPU: factories ignore device="cuda" and
+    pin_memory=True; every other attribute is the real torch one."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self._factories = {name: _on_cpu(getattr(torch, name)) for name in _FACTORIES}
+
+    def __getattr__(self, name):
+        return self._factories[name] if name in self._factories else getattr(torch, name)
 
 
 def _patch_hardcoded_cuda_devices() -> None:
     # Masks (transformer/utils.get_default_causal_mask), schedules (total_num_tokens), the
     # optimizer, clip_grads, dist-checkpointing and the MoE token dispatcher allocate with a
-    # literal device="cuda", call .cuda() or pin host memory. Allocating those on the CPU is
-    # exactly what a CPU run needs; nothing else changes.
-    for name in _FACTORIES:
-        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    # literal device="cuda", call .cuda() or pin host memory. We redirect the `torch` global of
+    # megatron.core modules only (wrapping torch.* itself would break torch's own device
+    # context manager, which recognises factories by identity, and with it transformers).
+    import importlib
+    import sys
+
+    for name in _MEGATRON_MODULES:
+        importlib.import_module(name)
+    proxy = _CpuTorch()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    # Tensor methods cannot be redirected per module. Rewriting a CUDA target to the CPU only
+    # changes calls that would otherwise raise for lack of a driver.
     original_to = torch.Tensor.to
 
     def to(self, *args, **kwargs):

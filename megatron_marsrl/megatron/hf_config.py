@@ -79,7 +79,8 @@ class ModelArch:
         heads = _require(cfg, "num_attention_heads", source)
         hidden = _require(cfg, "hidden_size", source)
         layers = _require(cfg, "num_hidden_layers", source)
-        experts = int(cfg.get("num_experts") or 0) if model_type == "qwen3_moe" else 0
+        # transformers 4.x writes num_experts, 5.x num_local_experts.
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if model_type == "qwen3_moe" else 0
         return cls(
             model_type=model_type,
             vocab_size=_require(cfg, "vocab_size", source),

@@ -70,6 +70,8 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, *, dtype: torc
         bias_dropout_fusion=on_gpu,
         deallocate_pipeline_outputs=False,
         variable_seq_lengths=True,
+        # The default "allgather" dispatcher rejects variable_seq_lengths, even for dense models.
+        moe_token_dispatcher_type="alltoall",
     )
     if parallel.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -87,7 +89,6 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, *, dtype: torc
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_router_dtype="fp32",

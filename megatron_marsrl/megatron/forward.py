@@ -1,0 +1,139 @@
+"""Pipeline-scheduled forward/backward passes: logits, per-token log-probs, training steps.
+
+All functions take micro-batches of token ids ``[micro_batch_size, seq]`` and run Megatron's
+schedule (1F1B when PP>1), so they work unchanged under any TP/PP/EP/DP layout.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def _run_schedule(model, micro_batches: list[dict], step: Callable, *, forward_only: bool) -> list:
+    """Run ``step(model, batch) -> (output, loss_func)`` over micro-batches; return what the
+    loss functions reported (last pipeline stage only; [] elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = iter(micro_batches)
+
+    def forward_step(data_iterator, chunk):
+        return step(chunk, next(data_iterator))
+
+    seq = max(b["tokens"].shape[1] for b in micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _broadcast_from_last_stage(values: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Give every pipeline stage the tensors computed on the last stage."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    group = ps.get_pipeline_model_parallel_group()
+    src = ps.get_pipeline_model_parallel_last_rank()
+    if not ps.is_pipeline_last_stage():
+        values = [torch.empty(shape, dtype=torch.float32, device=_device()) for shape in shapes]
+    for tensor in values:
+        dist.broadcast(tensor, src=src, group=group)
+    return values
+
+
+def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: float = 1.0) -> list[torch.Tensor]:
+    """Log-probabilities of ``tokens[:, 1:]`` given the prefix, for each micro-batch.
+
+    Returns one fp32 tensor ``[b, seq-1]`` per micro-batch on every rank (TP ranks via the
+    vocab-parallel cross entropy, PP ranks by broadcast from the last stage). ``temperature``
+    divides the logits first, matching how the rollout engine sampled.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+
+    def step(chunk, batch):
+        tokens = batch["tokens"]
+        logits = chunk(tokens[:, :-1], _positions(tokens[:, :-1]), None)
+        labels = tokens[:, 1:]
+
+        def loss_func(out):
+            # vocab_parallel_cross_entropy modifies its input in place: give it a copy.
+            logp = -vocab_parallel_cross_entropy(out.float() / temperature, labels)
+            return out.sum() * 0.0, {"logprobs": logp.detach()}
+
+        return logits, loss_func
+
+    with torch.no_grad():
+        data = [{"tokens": t.to(_device())} for t in micro_batches]
+        out = _run_schedule(model, data, step, forward_only=True)
+    values = [d["logprobs"] for d in out]
+    return _broadcast_from_last_stage(values, [torch.Size((t.shape[0], t.shape[1] - 1)) for t in micro_batches])
+
+
+def full_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits ``[b, s, vocab]`` (gathered over TP) on the last pipeline stage,
+    None elsewhere. For parity checks and debugging; training uses :func:`token_logprobs`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def step(chunk, batch):
+        logits = chunk(batch["tokens"], _positions(batch["tokens"]), None)
+        return logits, lambda out: (out.sum() * 0.0, {"logits": gather_from_tensor_model_parallel_region(out).detach()})
+
+    with torch.no_grad():
+        out = _run_schedule(model, [{"tokens": tokens.to(_device())}], step, forward_only=True)
+    return out[0]["logits"] if ps.is_pipeline_last_stage() else None
+
+
+def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -> dict:
+    """One optimizer step over ``micro_batches`` (gradients accumulated, synced once).
+
+    ``loss_fn(logprobs [b, s-1], batch) -> (loss scalar, metrics dict)`` gets the per-token
+    log-probs of ``batch["tokens"][:, 1:]`` (temperature ``batch.get("temperature", 1)``).
+    Returns the averaged metrics, ``grad_norm`` and whether the update was applied.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def step(chunk, batch):
+        tokens = batch["tokens"]
+        logits = chunk(tokens[:, :-1], _positions(tokens[:, :-1]), None)
+
+        def loss_func(out):
+            logp = -vocab_parallel_cross_entropy(out.float() / batch.get("temperature", 1.0), tokens[:, 1:])
+            loss, metrics = loss_fn(logp, batch)
+            return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
+
+        return logits, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    data = [{**b, "tokens": b["tokens"].to(_device())} for b in micro_batches]
+    out = _run_schedule(model, data, step, forward_only=False)
+    applied, grad_norm, _ = optimizer.step()
+    metrics = {}
+    if out:
+        for key in out[0]:
+            metrics[key] = float(torch.stack([d[key].float() for d in out]).mean())
+    return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_applied": bool(applied)}

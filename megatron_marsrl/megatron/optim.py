@@ -1,0 +1,58 @@
+"""Wrap a Megatron model for data-parallel training and build its optimizer."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW settings of one policy."""
+
+    lr: float = 1e-6
+    """Constant learning rate (MarsRL: 1e-6)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad={self.clip_grad}: must be >= 0")
+
+
+def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: bool = False):
+    """Return ``(ddp_model, optimizer)``: gradients in contiguous buffers reduced once per
+    step (the sync is deferred to the end of the accumulation), AdamW in fp32."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    ddp_model = DistributedDataParallel(model.config, ddp_config, model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=model.config.bf16,
+        params_dtype=model.config.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    return ddp_model, optimizer
+
+
+def default_dtype() -> torch.dtype:
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32

@@ -1,0 +1,194 @@
+"""Advantage estimators against a slow python-loop reference, plus properties."""
+from __future__ import annotations
+
+import math
+import random
+import textwrap
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_marsrl.algorithms.advantages import (ESTIMATORS, AdvantageBatch, AdvantageConfig,
+                                                   batch_from_samples, compute_advantages,
+                                                   count_degenerate_groups, get_estimator)
+from megatron_marsrl.data_types import Sample
+
+# which key tuple each estimator groups by, spelled out independently of the implementation
+KEYS = {
+    "grpo": lambda s: s["group"],
+    "drmas": lambda s: (s["problem"], s["agent"]),
+    "at_grpo": lambda s: (s["problem"], s["turn"], s["agent"]),
+}
+
+
+def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float) -> list[float]:
+    members = defaultdict(list)
+    for i, row in enumerate(rows):
+        members[key(row)].append(i)
+    out = [0.0] * len(rows)
+    for idx in members.values():
+        if len(idx) == 1:
+            continue  # a singleton has nothing to be compared with
+        vals = [rows[i]["reward"] for i in idx]
+        mean = sum(vals) / len(vals)
+        var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1 if unbiased else len(vals))
+        std = math.sqrt(var)
+        for i in idx:
+            centered = rows[i]["reward"] - mean
+            out[i] = centered / (std + eps) if scale and std > 0 else centered
+    return out
+
+
+def random_rollout(rng: random.Random) -> list[dict]:
+    """Samples shaped like a multi-agent rollout: groups of varied size per (problem, turn, input)."""
+    rows = []
+    binary = rng.random() < 0.5
+    for problem in range(rng.randint(1, 4)):
+        for turn in range(rng.randint(1, 5)):
+            agent = 0 if turn == 0 else (1 if turn % 2 else 2)
+            for inp in range(1 if turn == 0 else rng.randint(1, 3)):
+                size = rng.choice([1, 2, 3, 8])
+                constant = rng.random() < 0.2
+                first = float(rng.randint(0, 1))
+                for _ in range(size):
+                    reward = first if constant else (float(rng.randint(0, 1)) if binary else rng.uniform(-2, 3))
+                    rows.append({"problem": 10 * problem + 3, "turn": turn, "agent": agent,
+                                 "group": (problem, turn, inp), "reward": reward})
+    rng.shuffle(rows)
+    return rows
+
+
+def to_batch(rows: list[dict]) -> AdvantageBatch:
+    groups = {g: i for i, g in enumerate(dict.fromkeys(r["group"] for r in rows))}
+    return AdvantageBatch(
+        rewards=torch.tensor([r["reward"] for r in rows], dtype=torch.float32),
+        group_index=torch.tensor([groups[r["group"]] * 7 + 100 for r in rows]),  # ids need not be dense
+        problem_index=torch.tensor([r["problem"] for r in rows]),
+        agent_index=torch.tensor([r["agent"] for r in rows]),
+        turn_index=torch.tensor([r["turn"] for r in rows]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+@pytest.mark.parametrize("scale, unbiased", [(True, True), (True, False), (False, True)])
+def test_matches_reference(seed, estimator, scale, unbiased):
+    rows = random_rollout(random.Random(seed))
+    for r in rows:  # float32 inputs, exactly as the tensor holds them
+        r["reward"] = float(torch.tensor(r["reward"], dtype=torch.float32))
+    config = AdvantageConfig(estimator=estimator, scale_by_std=scale, unbiased_std=unbiased, eps=1e-6)
+    got = compute_advantages(to_batch(rows), config)
+    want = reference(rows, KEYS[estimator], scale=scale, unbiased=unbiased, eps=1e-6)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_estimators_differ_on_the_same_batch():
+    rows = [{"problem": 0, "turn": t, "agent": 1, "group": (0, t, i), "reward": r}
+            for t, i, r in [(1, 0, 1.0), (1, 0, 0.0), (1, 1, 1.0), (1, 1, 1.0), (3, 0, 0.0), (3, 0, 0.0)]]
+    batch = to_batch(rows)
+    grpo, drmas, at = (compute_advantages(batch, AdvantageConfig(estimator=e)) for e in ("grpo", "drmas", "at_grpo"))
+    assert grpo[2] == 0 and grpo[4] == 0      # constant same-input groups carry no signal
+    assert at[2] > 0 and at[4] == 0           # pooled over the turn's inputs, not over turns
+    assert drmas[2] > 0 and drmas[4] < 0      # pooled over every call of the agent
+
+
+def test_degenerate_groups_are_zero_and_finite():
+    batch = AdvantageBatch(rewards=torch.tensor([1.0, 0.5, 0.5, 0.5]), group_index=torch.tensor([0, 1, 1, 1]),
+                           problem_index=torch.tensor([0, 0, 0, 0]), agent_index=torch.tensor([0, 1, 1, 1]),
+                           turn_index=torch.tensor([0, 1, 1, 1]))
+    for estimator in ESTIMATORS:
+        adv = compute_advantages(batch, AdvantageConfig(estimator=estimator))
+        assert torch.equal(adv, torch.zeros(4)), estimator
+    counts = count_degenerate_groups(batch.rewards, batch.group_index)
+    assert counts == {"groups": 2, "singleton_groups": 1, "zero_std_groups": 1}
+    empty = AdvantageBatch(**{f: torch.zeros(0, dtype=torch.float32 if f == "rewards" else torch.int64)
+                              for f in ("rewards", "group_index", "problem_index", "agent_index", "turn_index")})
+    assert compute_advantages(empty, AdvantageConfig()).shape == (0,)
+
+
+# ---- properties -----------------------------------------------------------------------------------------
+row_strategy = st.fixed_dictionaries({
+    "problem": st.integers(0, 2), "turn": st.integers(0, 3), "agent": st.integers(0, 2), "inp": st.integers(0, 1),
+    "reward": st.one_of(st.sampled_from([0.0, 1.0]),
+                        st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32))})
+
+
+def rows_from(draw_rows: list[dict]) -> list[dict]:
+    return [{**r, "group": (r["problem"], r["turn"], r["agent"], r["inp"])} for r in draw_rows]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(row_strategy, min_size=1, max_size=40), st.randoms(use_true_random=False),
+       st.sampled_from(sorted(ESTIMATORS)), st.booleans())
+def test_permuting_samples_permutes_advantages(raw, rnd, estimator, scale):
+    rows = rows_from(raw)
+    config = AdvantageConfig(estimator=estimator, scale_by_std=scale)
+    perm = list(range(len(rows)))
+    rnd.shuffle(perm)
+    base = compute_advantages(to_batch(rows), config)
+    permuted = compute_advantages(to_batch([rows[i] for i in perm]), config)
+    torch.testing.assert_close(permuted, base[perm], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(row_strategy, min_size=1, max_size=40), st.sampled_from(sorted(ESTIMATORS)), st.booleans())
+def test_each_agents_advantages_have_zero_mean(raw, estimator, scale):
+    rows = rows_from(raw)
+    adv = compute_advantages(to_batch(rows), AdvantageConfig(estimator=estimator, scale_by_std=scale)).double()
+    agents = torch.tensor([r["agent"] for r in rows])
+    for agent in agents.unique():
+        values = adv[agents == agent]
+        assert abs(values.mean().item()) <= 1e-5 * (1 + values.abs().max().item()), (agent, values)
+
+
+# ---- plumbing and extension point -----------------------------------------------------------------------
+def test_batch_from_samples_keys():
+    def s(i, stage, role, turn, group, problem="p", reward=1.0):
+        return Sample(sample_id=str(i), role=role, stage=stage, turn=turn, problem_id=problem, group_id=group,
+                      reward=reward)
+
+    samples = [s(0, "solver", "solver", 0, "g0"), s(1, "verifier1", "verifier", 1, "g1"),
+               s(2, "verifier2", "verifier", 3, "g2", problem="q", reward=0.0)]
+    by_stage, by_role = batch_from_samples(samples), batch_from_samples(samples, agent_by="role")
+    assert by_stage.agent_index.tolist() == [0, 1, 2] and by_role.agent_index.tolist() == [0, 1, 1]
+    assert by_stage.problem_index.tolist() == [0, 0, 1] and by_stage.turn_index.tolist() == [0, 1, 3]
+    assert by_stage.rewards.tolist() == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="agent_by must be"):
+        batch_from_samples(samples, agent_by="model")
+    samples[0].reward = None
+    with pytest.raises(ValueError, match=r"samples \['0'\] have no reward"):
+        batch_from_samples(samples)
+
+
+def test_batch_validation():
+    ok = {f: torch.zeros(3, dtype=torch.int64) for f in ("group_index", "problem_index", "agent_index", "turn_index")}
+    with pytest.raises(ValueError, match="rewards must be a 1-D float tensor"):
+        AdvantageBatch(rewards=torch.zeros(3, dtype=torch.int64), **ok)
+    with pytest.raises(ValueError, match="turn_index must be a 1-D integer tensor of length 3"):
+        AdvantageBatch(rewards=torch.zeros(3), **{**ok, "turn_index": torch.zeros(2, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        AdvantageConfig(eps=-1)
+
+
+def test_user_estimator_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_estimator_plugin.py").write_text(textwrap.dedent('''
+        def centered_by_problem(batch, config):
+            from megatron_marsrl.algorithms.advantages import group_ids, normalize_in_groups
+            return normalize_in_groups(batch.rewards, group_ids(batch.problem_index), config)
+        def wrong_shape(batch, config):
+            return batch.rewards[:1]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = random_rollout(random.Random(3))
+    adv = compute_advantages(to_batch(rows), AdvantageConfig(estimator="my_estimator_plugin:centered_by_problem",
+                                                             scale_by_std=False))
+    want = reference(rows, lambda r: r["problem"], scale=False, unbiased=True, eps=1e-6)
+    torch.testing.assert_close(adv, torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must return a tensor of shape"):
+        compute_advantages(to_batch(rows), AdvantageConfig(estimator="my_estimator_plugin:wrong_shape"))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        get_estimator("ppo")
+    assert "my_estimator_plugin:centered_by_problem" not in ESTIMATORS
