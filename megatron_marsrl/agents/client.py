@@ -156,7 +156,8 @@ class _Retriable(Exception):
 
 
 class OpenAIClient:
-    """`Generator` over an OpenAI-compatible HTTP endpoint. Use as `async with`."""
+    """`Generator` over an OpenAI-compatible HTTP endpoint. Use as `async with`, inside one
+    event loop (its semaphore and HTTP session belong to the loop that first uses them)."""
 
     def __init__(self, config: EndpointConfig,
                  render: Callable[[Sequence[Message]], str] = render_plain) -> None:

@@ -205,7 +205,10 @@ async def run_rows(args: argparse.Namespace, rows: list[dict[str, Any]],
     """Build the system and solve `rows`: (exit code, finished records); 1 on an endpoint error."""
     system, clients = build_system(args)
     try:
-        return 0, await solve_rows(system, rows, results, args.concurrency)
+        records = await solve_rows(system, rows, results, args.concurrency)
+        if records:
+            print(f"parse outcomes per role: {json.dumps(system.counter.as_dict())}", file=sys.stderr)
+        return 0, records
     except EndpointError as exc:
         kept = (f"; {len(results.records)} finished problems are in {results.path} (rerun with --resume)"
                 if results is not None else "")

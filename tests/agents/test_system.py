@@ -136,3 +136,33 @@ def test_config_validation_names_the_field():
         SystemConfig(accept_after=0)
     with pytest.raises(ValueError, match="missing"):
         ReasoningSystem(roles=RoleSet(), generators={}, sampling={}, config=SystemConfig())
+
+
+def test_loop_over_http_with_truncation_and_a_flaky_endpoint():
+    """The real client against a local OpenAI-style server: a cut-off first solution, a 503, then recovery."""
+    from megatron_marsrl.agents.client import EndpointConfig, OpenAIClient
+
+    from .helpers import ScriptedServer, openai_reply, request_prompt, role_of
+
+    script = {"solver": [("Let me see... \\boxed{4", "length")], "corrector": ["Done.\n\\boxed{5}"],
+              "verifier": [OK, OK]}
+    failures = [503]
+
+    def handler(path, body):
+        if failures:
+            return failures.pop(), "overloaded"
+        return 200, openai_reply(path, body, [script[role_of(request_prompt(path, body))].pop(0)])
+
+    async def go(url):
+        async with OpenAIClient(EndpointConfig(base_url=url, backoff_s=0.01)) as client:
+            system = ReasoningSystem(roles=RoleSet(), generators={s: client for s in SLOTS},
+                                     sampling={s: SamplingParams() for s in SLOTS}, config=SystemConfig(accept_after=2))
+            return await system.solve("q", "What is 2+3?")
+
+    with ScriptedServer(handler) as server:
+        result = asyncio.run(go(server.url))
+    run = result.runs[0]
+    assert [s.role for s in run.steps] == ["solver", "auto_reject", "corrector", "verifier", "verifier"]
+    assert run.steps[0].finish_reason == "length" and run.steps[0].parse_status == "truncated"
+    assert result.final_answer == "5" and run.outcome == "accepted"
+    assert len(server.requests) == 5  # one retried solver request + corrector + two verifications

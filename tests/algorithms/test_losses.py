@@ -230,3 +230,14 @@ def test_aggregate_without_group_is_local():
     assert aggregate(loss, mask, "token-mean").item() == pytest.approx(3.0)
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2.0 + 5.0) / 2)
     assert aggregate(loss, mask, "seq-sum").item() == pytest.approx((4.0 + 5.0) / 2)
+
+
+def test_low_precision_inputs_track_float32():
+    x = make_inputs(1)
+    cfg = PolicyLossConfig(**CONFIGS["everything"])
+    full, _ = policy_loss(PolicyLossInputs(**x), cfg)
+    half = {k: v.bfloat16() if v.is_floating_point() else v for k, v in x.items()}
+    low, metrics = policy_loss(PolicyLossInputs(**half), cfg)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low)
+    assert low.float().item() == pytest.approx(full.item(), rel=2e-2)
+    assert all(torch.isfinite(v) for v in metrics.values())
