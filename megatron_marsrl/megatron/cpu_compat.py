@@ -130,7 +130,29 @@ class _CpuTorch(types.ModuleType):
         self._factories = {name: _on_cpu(getattr(torch, name)) for name in _FACTORIES}
 
     def __getattr__(self, name):
+        if name == "distributed":
+            return _DIST
         return self._factories[name] if name in self._factories else getattr(torch, name)
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+    # tensor_parallel/mappings._AllToAll (MoE alltoall dispatch with EP>1) passes split sizes
+    # as CPU tensors; gloo's all_to_all_single only accepts Python lists.
+    if isinstance(output_split_sizes, torch.Tensor):
+        output_split_sizes = output_split_sizes.tolist()
+    if isinstance(input_split_sizes, torch.Tensor):
+        input_split_sizes = input_split_sizes.tolist()
+    return torch.distributed.all_to_all_single(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+
+class _CpuDistributed(types.ModuleType):
+    """`torch.distributed` as Megatron modules see it on CPU (gloo)."""
+
+    def __getattr__(self, name):
+        return _all_to_all_single if name == "all_to_all_single" else getattr(torch.distributed, name)
+
+
+_DIST = _CpuDistributed("torch.distributed")
 
 
 def _patch_hardcoded_cuda_devices() -> None:
@@ -164,6 +186,31 @@ def _patch_hardcoded_cuda_devices() -> None:
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
+def _patch_torch_norm_sequence_parallel() -> None:
+    # WrappedTorchNorm (transformer/torch_norm.py, used when neither TE nor apex is installed)
+    # asserts `not config.sequence_parallel`, yet Megatron requires sequence parallel for MoE
+    # with TP>1. A norm is position-wise, so running it on a sequence shard is exact; the only
+    # thing SP adds is that the weight's gradient must be summed over TP ranks, which
+    # finalize_model_grads does for parameters marked `sequence_parallel` (as TE/apex mark them).
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
 def apply() -> None:
     """Install all patches once. A no-op when CUDA is available."""
     global _applied
@@ -173,4 +220,5 @@ def apply() -> None:
     _patch_torch_cuda_rng()
     _patch_torch_cuda_streams()
     _patch_hardcoded_cuda_devices()
+    _patch_torch_norm_sequence_parallel()
     _applied = True

@@ -41,6 +41,21 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
+def _pad_for_sequence_parallel(tokens: torch.Tensor) -> torch.Tensor:
+    """Right-pad with token 0 to a multiple of TP: sequence parallel splits the sequence over
+    TP ranks. Causal attention keeps the real positions unaffected; callers slice back."""
+    from megatron.core import parallel_state as ps
+
+    multiple = ps.get_tensor_model_parallel_world_size()
+    extra = -tokens.shape[1] % multiple
+    return torch.nn.functional.pad(tokens, (0, extra)) if extra else tokens
+
+
+def _shifted(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded (inputs, labels) for next-token log-probs of ``tokens``."""
+    return _pad_for_sequence_parallel(tokens[:, :-1]), _pad_for_sequence_parallel(tokens[:, 1:])
+
+
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -74,13 +89,13 @@ def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: flo
 
     def step(chunk, batch):
         tokens = batch["tokens"]
-        logits = chunk(tokens[:, :-1], _positions(tokens[:, :-1]), None)
-        labels = tokens[:, 1:]
+        inputs, labels = _shifted(tokens)
+        logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            # vocab_parallel_cross_entropy modifies its input in place: give it a copy.
+            # vocab_parallel_cross_entropy modifies its input in place: `/ temperature` copies.
             logp = -vocab_parallel_cross_entropy(out.float() / temperature, labels)
-            return out.sum() * 0.0, {"logprobs": logp.detach()}
+            return out.sum() * 0.0, {"logprobs": logp[:, : tokens.shape[1] - 1].detach()}
 
         return logits, loss_func
 
@@ -97,9 +112,13 @@ def full_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    length = tokens.shape[1]
+
     def step(chunk, batch):
-        logits = chunk(batch["tokens"], _positions(batch["tokens"]), None)
-        return logits, lambda out: (out.sum() * 0.0, {"logits": gather_from_tensor_model_parallel_region(out).detach()})
+        inputs = _pad_for_sequence_parallel(batch["tokens"])
+        logits = chunk(inputs, _positions(inputs), None)
+        return logits, lambda out: (out.sum() * 0.0, {
+            "logits": gather_from_tensor_model_parallel_region(out)[:, :length].detach()})
 
     with torch.no_grad():
         out = _run_schedule(model, [{"tokens": tokens.to(_device())}], step, forward_only=True)
@@ -117,11 +136,12 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
 
     def step(chunk, batch):
         tokens = batch["tokens"]
-        logits = chunk(tokens[:, :-1], _positions(tokens[:, :-1]), None)
+        inputs, labels = _shifted(tokens)
+        logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            logp = -vocab_parallel_cross_entropy(out.float() / batch.get("temperature", 1.0), tokens[:, 1:])
-            loss, metrics = loss_fn(logp, batch)
+            logp = -vocab_parallel_cross_entropy(out.float() / batch.get("temperature", 1.0), labels)
+            loss, metrics = loss_fn(logp[:, : tokens.shape[1] - 1], batch)
             return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
 
         return logits, loss_func
