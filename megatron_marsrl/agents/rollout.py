@@ -69,7 +69,7 @@ class RolloutConfig:
                                                                             max_tokens=16384))
     """Rollout sampling (MarsRL training: temperature 0.85, top-p 1.0)."""
     seed: int = 0
-    """Seed of the input selection."""
+    """Seed of the input selection (combined with the problem id and stage)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "inputs_per_stage", "max_stages"):
@@ -154,7 +154,6 @@ class GroupedRollout:
         self.roles, self.generators, self.config = roles, generators, config
         self.counter = counter if counter is not None else ParseCounter()
         self.selector = get_selector(config.selection)
-        self.rng = random.Random(config.seed)
         self._ids = itertools.count()
 
     async def stage(self, problem: Problem, turn: int, inputs: Sequence[Sample] = ()) -> list[Group]:
@@ -171,7 +170,10 @@ class GroupedRollout:
             return None
         next_slot = stage_of(turn + 1)[0]
         candidates = eligible_inputs([s for g in groups for s in g.samples], next_slot)
-        chosen = self.selector(candidates, self.config.inputs_per_stage, next_slot=next_slot, rng=self.rng)
+        # One generator per (seed, problem, stage): the choice does not depend on which
+        # concurrent trajectory happened to finish first.
+        rng = random.Random(f"{self.config.seed}:{problem.id}:{turn + 1}")
+        chosen = self.selector(candidates, self.config.inputs_per_stage, next_slot=next_slot, rng=rng)
         return PendingStage(problem=problem, turn=turn + 1, inputs=list(chosen)) if chosen else None
 
     async def trajectory(self, problem: Problem) -> list[Group]:

@@ -180,3 +180,14 @@ def test_pipelined_steps_advance_every_trajectory_by_one_stage():
 def test_config_validation():
     with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
         RolloutConfig(group_size=0)
+
+
+def test_selection_is_reproducible_and_seeded():
+    def chosen(seed):
+        ro, _ = rollout(respond=lambda role, prompt: "\\boxed{5}" if role == "solver" else "Verdict: Correct",
+                        seed=seed, selection="random")
+        groups = asyncio.run(ro.trajectory(PROBLEM))
+        return [int(g.input_sample_id.rsplit("/", 1)[1]) for g in groups if g.turn == 1]
+
+    assert chosen(0) == chosen(0)
+    assert len({tuple(chosen(s)) for s in range(6)}) > 1
