@@ -39,6 +39,7 @@ from megatron_marsrl.agents.client import Generator, SamplingParams, render_plai
 from megatron_marsrl.agents.parsing import ParseCounter
 from megatron_marsrl.agents.roles import RoleOutput, RoleSet, call_role
 from megatron_marsrl.data_types import Group, ParseStatus, Problem, Sample, Verdict
+from megatron_marsrl.rewards.agent_rewards import with_format_penalty
 
 _NO_TEXT = (ParseStatus.TRUNCATED, ParseStatus.UNCLOSED_THINK, ParseStatus.EMPTY)
 
@@ -70,11 +71,15 @@ class RolloutConfig:
     """Rollout sampling (MarsRL training: temperature 0.85, top-p 1.0)."""
     seed: int = 0
     """Seed of the input selection (combined with the problem id and stage)."""
+    format_penalty: float = 0.0
+    """Subtracted from the reward of outputs that failed to parse (truncated, no answer, no verdict)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "inputs_per_stage", "max_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.format_penalty < 0:
+            raise ValueError(f"format_penalty must be >= 0 (it is subtracted), got {self.format_penalty}")
 
 
 class Selector(Protocol):
@@ -200,9 +205,10 @@ class GroupedRollout:
                                   n=self.config.group_size, counter=self.counter)
         group = Group(group_id=group_id, role=role.name, stage=stage, turn=turn, problem_id=problem.id,
                       input_sample_id=parent.sample_id if parent else None)
+        reward = with_format_penalty(role.reward, self.config.format_penalty)
         for i, out in enumerate(outputs):
             sample = _sample(out, f"{group_id}/{i}", group, parent, inputs)
-            sample.reward = float(role.reward(sample, problem.answer))
+            sample.reward = float(reward(sample, problem.answer))
             group.samples.append(sample)
         return group
 

@@ -109,6 +109,9 @@ def test_truncated_solutions_are_not_sent_to_the_verifier():
     assert [g.stage for g in groups] == ["solver"]
     assert all(s.parse_status is ParseStatus.TRUNCATED and s.reward == 0.0 for s in groups[0].samples)
     assert ro.counter.count("solver", ParseStatus.TRUNCATED) == 4
+    penalized, _ = rollout(respond=lambda role, prompt: ("\\boxed{5", "length") if role == "solver" else "x",
+                           format_penalty=0.1)
+    assert {s.reward for s in asyncio.run(penalized.trajectory(PROBLEM))[0].samples} == {-0.1}
 
 
 def sample(i: int, reward: float, parsed: str | None = None) -> Sample:
