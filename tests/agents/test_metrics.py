@@ -54,7 +54,8 @@ def test_metrics_on_hand_made_trajectories():
     assert m["corrector"] == {"calls": 2, "fix_rate": 1.0, "break_rate": 1.0}
     assert m["outcomes"] == {"accepted": 3, "gave_up": 1}
     assert m["parse"]["verifier"] == {"no_verdict": 1, "ok": 6}
-    assert rec1["runs"][0]["steps"][1]["verdict_right"] is True and rec1["runs"][1]["steps"][1]["verdict_right"] is False
+    assert rec1["runs"][0]["steps"][1]["verdict_right"] is True
+    assert rec1["runs"][1]["steps"][1]["verdict_right"] is False
     text = format_metrics(m)
     assert "solver   avg@2 25.0" in text and "recall(wrong) 40.0" in text
 
