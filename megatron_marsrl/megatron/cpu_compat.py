@@ -211,6 +211,26 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
 
 
+def _patch_cuda_type_strings() -> None:
+    # optimizer/optimizer.py (Float16OptimizerWithFloat16Params), optimizer/distrib_optimizer.py
+    # and optimizer/clip_grads.py decide how to treat a parameter by comparing
+    # `param.type()` with 'torch.cuda.FloatTensor' / 'torch.cuda.BFloat16Tensor' and raise on
+    # anything else. For callers inside megatron.core.optimizer only, report CPU tensors under
+    # their CUDA type name; everyone else sees the true name.
+    import sys
+
+    original_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and not self.is_cuda:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron.core.optimizer"):
+                return original_type(self).replace("torch.", "torch.cuda.", 1)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
 def apply() -> None:
     """Install all patches once. A no-op when CUDA is available."""
     global _applied
@@ -221,4 +241,5 @@ def apply() -> None:
     _patch_torch_cuda_streams()
     _patch_hardcoded_cuda_devices()
     _patch_torch_norm_sequence_parallel()
+    _patch_cuda_type_strings()
     _applied = True

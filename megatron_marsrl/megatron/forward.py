@@ -142,7 +142,9 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
         def loss_func(out):
             logp = -vocab_parallel_cross_entropy(out.float() / batch.get("temperature", 1.0), labels)
             loss, metrics = loss_fn(logp[:, : tokens.shape[1] - 1], batch)
-            return loss, {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
+            # clone(): the schedule divides the returned loss in place by the micro-batch count.
+            return loss, {"loss": loss.detach().clone(),
+                          **{k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}}
 
         return logits, loss_func
 
@@ -151,9 +153,29 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
     data = [{**b, "tokens": b["tokens"].to(_device())} for b in micro_batches]
     out = _run_schedule(model, data, step, forward_only=False)
     applied, grad_norm, _ = optimizer.step()
-    metrics = {}
-    if out:
-        for key in out[0]:
-            metrics[key] = float(torch.stack([d[key].float() for d in out]).mean())
+    metrics = _reduce_metrics(out, len(micro_batches))
     return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_applied": bool(applied)}
+
+
+def _reduce_metrics(out: list[dict], num_micro_batches: int) -> dict[str, float]:
+    """Mean of each metric over micro-batches and data-parallel ranks, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(out[0]) if out else []
+    # Only the last stage knows the keys; share them so every stage joins the same collectives.
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        holder = [keys]
+        dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        keys = holder[0]
+    if out:
+        values = torch.stack([torch.stack([d[k].float() for d in out]).mean() for k in keys])
+    else:
+        values = torch.zeros(len(keys))
+    values = values.to(_device())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        values /= ps.get_data_parallel_world_size()
+    values = _broadcast_from_last_stage([values], [values.shape])[0]
+    return {k: float(v) for k, v in zip(keys, values)}

@@ -10,6 +10,10 @@ import torch
 class OptimConfig:
     """AdamW settings of one policy."""
 
+    optimizer: str = "adam"
+    """"adam" (AdamW, decoupled weight decay) or "sgd" (used by exact-parity tests: Adam's
+    first step is sign(g)*lr, which turns float rounding noise in near-zero gradients into
+    full-size updates)."""
     lr: float = 1e-6
     """Constant learning rate (MarsRL: 1e-6)."""
     weight_decay: float = 0.0
@@ -20,6 +24,8 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
 
     def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r}: use 'adam' or 'sgd'")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr}: must be > 0")
         if self.clip_grad < 0:
@@ -38,8 +44,15 @@ def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: 
         use_distributed_optimizer=distributed_optimizer,
     )
     ddp_model = DistributedDataParallel(model.config, ddp_config, model)
+    # The schedule defers the data-parallel gradient reduction to the end of the step and then
+    # calls finalize_model_grads (DP all-reduce, TP reduction of sequence-parallel/qk-norm
+    # grads, tied-embedding sync across PP). Without these hooks nothing is reduced.
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.no_sync_func = ddp_model.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optim.optimizer,
         lr=optim.lr,
         weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1,

@@ -44,3 +44,29 @@ def parity(hf_dir: str, layout: dict, seed: int = 0) -> dict:
         total = len(list(f.keys()))
     return {"logit_diff": logit_diff, "logprob_diff": lp_diff, "export_mismatched": mismatched,
             "export_seen": seen, "hf_total": total}
+
+
+def train_losses(hf_dir: str, layout: dict, steps: int = 3, global_batch: int = 4, seq: int = 16,
+                 lr: float = 0.5, optimizer: str = "sgd", adam_eps: float = 1e-8) -> list[float]:
+    """Token-mean cross-entropy per step for a fixed data stream, under ``layout``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_marsrl.megatron.forward import train_step
+    from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+
+    arch, parallel, model = _setup(hf_dir, layout)
+    ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(optimizer=optimizer, lr=lr, clip_grad=0.0, adam_eps=adam_eps),
+                                            distributed_optimizer=parallel.distributed_optimizer)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(42)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, arch.vocab_size, (global_batch, seq), generator=gen)
+        mine = batch.chunk(dp)[dp_rank]
+        micro = [{"tokens": row[None]} for row in mine]
+
+        def ce(logp, b):
+            return -logp.mean(), {}
+
+        losses.append(train_step(ddp, optimizer, micro, ce)["loss"])
+    return losses
