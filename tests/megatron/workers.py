@@ -70,3 +70,48 @@ def train_losses(hf_dir: str, layout: dict, steps: int = 3, global_batch: int = 
 
         losses.append(train_step(ddp, optimizer, micro, ce)["loss"])
     return losses
+
+
+def save_trained(hf_dir: str, layout: dict, ckpt: str, steps: int = 2) -> None:
+    """Train ``steps`` steps with Adam under ``layout`` and save model + optimizer."""
+    from megatron_marsrl.megatron.dist_checkpoint import save_checkpoint
+
+    ddp, optimizer, arch = _train(hf_dir, layout, steps)
+    save_checkpoint(ckpt, ddp, optimizer=optimizer, meta={})
+
+
+def resume_and_score(hf_dir: str, layout: dict, ckpt: str, steps: int = 1) -> dict:
+    """Load ``ckpt`` under ``layout``: logits of fixed tokens, and the loss of further steps."""
+    from megatron_marsrl.megatron.dist_checkpoint import load_checkpoint
+
+    ddp, optimizer, arch = _train(hf_dir, layout, 0)
+    load_checkpoint(ckpt, ddp, optimizer=optimizer)
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    logits = full_logits(ddp.module, tokens)
+    losses = _steps(ddp, optimizer, arch, steps, seed=99)
+    return {"logits": None if logits is None else logits.tolist(), "losses": losses}
+
+
+def _train(hf_dir, layout, steps):
+    from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+
+    arch, parallel, model = _setup(hf_dir, layout)
+    ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(lr=1e-2, adam_eps=1e-3, clip_grad=0.0),
+                                            distributed_optimizer=parallel.distributed_optimizer)
+    _steps(ddp, optimizer, arch, steps, seed=42)
+    return ddp, optimizer, arch
+
+
+def _steps(ddp, optimizer, arch, steps, seed, global_batch=4, seq=16):
+    from megatron.core import parallel_state as ps
+
+    from megatron_marsrl.megatron.forward import train_step
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, arch.vocab_size, (global_batch, seq), generator=gen)
+        micro = [{"tokens": row[None]} for row in batch.chunk(dp)[dp_rank]]
+        losses.append(train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))["loss"])
+    return losses
