@@ -58,8 +58,12 @@ def _broadcast_str(value: str | None) -> str:
     return holder[0]
 
 
-def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict) -> None:
-    """Collective save of ``model`` (and ``optimizer``) to ``path``; atomic at the end."""
+def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict,
+                    extra_files: dict[str, Path] | None = None) -> None:
+    """Collective save of ``model`` (and ``optimizer``) to ``path``; atomic at the end.
+
+    ``extra_files`` maps names under ``path`` to files copied in before the final rename
+    (e.g. tokenizer files)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -77,6 +81,9 @@ def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict) -> N
     dist_checkpointing.save(state, str(tmp / "dist"))
     _barrier()
     if _rank() == 0:
+        for name, src in (extra_files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tmp / name)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if path.exists():
             shutil.rmtree(path)
