@@ -115,3 +115,9 @@ def _steps(ddp, optimizer, arch, steps, seed, global_batch=4, seq=16):
         micro = [{"tokens": row[None]} for row in batch.chunk(dp)[dp_rank]]
         losses.append(train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))["loss"])
     return losses
+
+
+def continued_losses(hf_dir: str) -> float:
+    """Loss of the step after :func:`save_trained`'s steps, without saving (world size 1)."""
+    ddp, optimizer, arch = _train(hf_dir, {}, 2)
+    return _steps(ddp, optimizer, arch, 1, seed=99)[0]
