@@ -59,7 +59,7 @@ def hf_to_mcore(input_dir: str | Path, output_dir: str | Path, parallel: Paralle
     _launch("megatron_marsrl.megatron.convert:_hf_to_mcore_rank", world, {
         "input_dir": str(input_dir), "output_dir": str(output_dir), "layout": _layout_dict(parallel)})
     seconds = time.perf_counter() - start
-    _log(f"wrote {output_dir} in {seconds:.1f} s ({nbytes / seconds / 1e9:.3f} GB/s incl. start-up)")
+    _log(f"wrote {output_dir} in {seconds:.1f} s, process start-up included ({nbytes / seconds / 1e6:.1f} MB/s)")
     return {"bytes": nbytes, "seconds": seconds, "world_size": world}
 
 

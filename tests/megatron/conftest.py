@@ -1,6 +1,6 @@
 import pytest
 
-from tests.megatron.tiny_models import make_hf_checkpoint
+from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
 
 @pytest.fixture(scope="session")

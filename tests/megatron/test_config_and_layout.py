@@ -6,7 +6,7 @@ import pytest
 from megatron_marsrl.megatron.hf_config import ModelArch, UnsupportedModelError
 from megatron_marsrl.megatron.hf_mapping import hf_shapes, units
 from megatron_marsrl.megatron.parallel import LayoutError, ParallelConfig
-from tests.megatron.tiny_models import FAMILIES
+from megatron_marsrl.megatron.tiny import FAMILIES
 
 
 def _arch(family="qwen3_moe", **overrides):

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints made with transformers, for parity tests (no hub access)."""
+"""Tiny random HF checkpoints made with transformers (no hub access): for the self-check,
+the tests and the benchmarks."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,12 +44,3 @@ def make_hf_checkpoint(family: str, out_dir: str | Path, *, seed: int = 0, overr
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
-
-
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
