@@ -17,8 +17,9 @@ which does not up-weight groups whose rewards barely vary.
 
 Degenerate groups, handled explicitly rather than through eps:
   * a group of one sample has nothing to be compared with: advantage 0;
-  * a group whose rewards are all equal (std 0) carries no preference: its
-    advantages are r - mean = 0, with no division.
+  * a group whose rewards are all equal (std 0) carries no preference:
+    advantage exactly 0, with no division (equality is tested on the rewards,
+    not on a computed std that rounding can leave slightly above 0).
 
 Groups must be complete in the batch given (call this on the whole rollout
 batch before it is sharded across data-parallel ranks).
@@ -98,22 +99,32 @@ def group_ids(*keys: torch.Tensor) -> torch.Tensor:
 def normalize_in_groups(rewards: torch.Tensor, groups: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
     """(r - group mean) / (group std + eps), or r - group mean when not scaling.
 
-    `groups` holds dense ids 0..G-1. Singletons get 0; zero-std groups are not divided.
+    `groups` holds dense ids 0..G-1. Singletons and groups whose rewards are all
+    equal get exactly 0: equality is tested on the rewards themselves, because
+    r - mean of equal float64 values can be a rounding residue ((0.1 + 0.1 +
+    0.1) / 3 != 0.1) that a zero eps would blow up to about +-1.
     """
     num_groups = int(groups.max()) + 1 if groups.numel() else 0
     r = rewards.to(torch.float64)  # group sums over many samples; keep them exact
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, torch.ones_like(r))
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, r) / count
     centered = r - mean[groups]
-    singleton = count[groups] < 2
+    lo, hi = _group_min_max(r, groups, num_groups)
+    degenerate = (count < 2)[groups] | (lo == hi)[groups]
     if config.scale_by_std:
         sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, centered**2)
         dof = (count - 1) if config.unbiased_std else count
         std = (sq / dof.clamp(min=1)).sqrt()[groups]
-        scaled = centered / (std + config.eps)
-        centered = torch.where(std > 0, scaled, centered)
-    centered = torch.where(singleton, torch.zeros_like(centered), centered)
+        centered = torch.where(std > 0, centered / (std + config.eps), centered)
+    centered = centered.masked_fill(degenerate, 0.0)
     return centered.to(rewards.dtype)
+
+
+def _group_min_max(r: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group min and max of `r` (float64), indexed by dense group id."""
+    lo = torch.full((num_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, r, "amin")
+    hi = torch.full((num_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, groups, r, "amax")
+    return lo, hi
 
 
 def grpo(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
@@ -157,8 +168,7 @@ def count_degenerate_groups(rewards: torch.Tensor, groups: torch.Tensor) -> dict
     dense = group_ids(groups)
     num = int(dense.max()) + 1 if dense.numel() else 0
     count = torch.zeros(num, dtype=torch.int64).index_add_(0, dense, torch.ones_like(dense))
-    lo = torch.full((num,), float("inf"), dtype=torch.float64).scatter_reduce(0, dense, rewards.double(), "amin")
-    hi = torch.full((num,), float("-inf"), dtype=torch.float64).scatter_reduce(0, dense, rewards.double(), "amax")
+    lo, hi = _group_min_max(rewards.double(), dense, num)
     return {"groups": num, "singleton_groups": int((count == 1).sum()),
             "zero_std_groups": int(((lo == hi) & (count > 1)).sum())}
 

@@ -30,9 +30,9 @@ def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float)
         members[key(row)].append(i)
     out = [0.0] * len(rows)
     for idx in members.values():
-        if len(idx) == 1:
-            continue  # a singleton has nothing to be compared with
         vals = [rows[i]["reward"] for i in idx]
+        if len(set(vals)) == 1:
+            continue  # a singleton or an all-equal group carries no preference
         mean = sum(vals) / len(vals)
         var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1 if unbiased else len(vals))
         std = math.sqrt(var)
@@ -104,6 +104,14 @@ def test_degenerate_groups_are_zero_and_finite():
         assert torch.equal(adv, torch.zeros(4)), estimator
     counts = count_degenerate_groups(batch.rewards, batch.group_index)
     assert counts == {"groups": 2, "singleton_groups": 1, "zero_std_groups": 1}
+    # float64 rewards whose mean is not exact ((0.1 + 0.1 + 0.1) / 3 != 0.1), even with eps 0
+    two = torch.tensor([0] * 3 + [1] * 7)  # two constant groups, on two problems so every estimator sees two
+    inexact = AdvantageBatch(rewards=torch.tensor([0.1] * 3 + [0.7] * 7, dtype=torch.float64), group_index=two,
+                             problem_index=two, agent_index=torch.zeros_like(two), turn_index=torch.zeros_like(two))
+    for estimator in ESTIMATORS:
+        for scale in (True, False):
+            adv = compute_advantages(inexact, AdvantageConfig(estimator=estimator, scale_by_std=scale, eps=0.0))
+            assert torch.equal(adv, torch.zeros(10, dtype=torch.float64)), (estimator, scale, adv)
     empty = AdvantageBatch(**{f: torch.zeros(0, dtype=torch.float32 if f == "rewards" else torch.int64)
                               for f in ("rewards", "group_index", "problem_index", "agent_index", "turn_index")})
     assert compute_advantages(empty, AdvantageConfig()).shape == (0,)
