@@ -28,6 +28,7 @@ it; on a single rank (or without a group) these reductions are no-ops.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -165,11 +166,12 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str,
     aggregate over all ranks' data.
     """
     m = mask.to(token_loss.dtype)
+    masked = torch.where(mask.bool(), token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
     if mode == "token-mean":
-        numerator, denominator = (token_loss * m).sum(), m.sum()
+        numerator, denominator = masked.sum(), m.sum()
     elif mode in ("seq-mean-token-mean", "seq-sum"):
         tokens = m.sum(-1)
-        per_seq = (token_loss * m).sum(-1)
+        per_seq = masked.sum(-1)
         if mode == "seq-mean-token-mean":
             per_seq = per_seq / tokens.clamp(min=1)
         numerator, denominator = per_seq.sum(), (tokens > 0).to(token_loss.dtype).sum()
@@ -246,6 +248,7 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
     """
     _check_required(inputs, config)
     mask = inputs.response_mask.bool()
+    inputs = _zero_padding(inputs, mask)
     loss_mask, metrics = mask, {}
     pg, flags = ppo_clip_token_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, config)
     if config.tis is not None:
@@ -275,6 +278,21 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
         metrics[f"{name}_fraction"] = _masked_mean(flags.get(name, torch.zeros_like(mask)), loss_mask)
     metrics["approx_kl"] = _masked_mean(k3_kl(inputs.logprobs, inputs.old_logprobs), mask)
     return loss, metrics
+
+
+def _zero_padding(inputs: PolicyLossInputs, mask: torch.Tensor) -> PolicyLossInputs:
+    """`inputs` with every per-token tensor set to 0 outside `mask`.
+
+    Padding often holds -inf log-probs or nan; multiplying by a 0 mask would
+    still give nan (nan * 0 = nan) and poison the loss, the TIS sequence test
+    and the DMMPT entropy mean. `torch.where` also sends no gradient there.
+    """
+    per_token = ("logprobs", "old_logprobs", "ref_logprobs", "entropy", "rollout_logprobs")
+    if inputs.advantages.dim() == 2:
+        per_token += ("advantages",)
+    zero = {name: torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+            for name in per_token if (t := getattr(inputs, name)) is not None}
+    return dataclasses.replace(inputs, **zero)
 
 
 def _check_required(inputs: PolicyLossInputs, config: PolicyLossConfig) -> None:

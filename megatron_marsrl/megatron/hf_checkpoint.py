@@ -63,7 +63,10 @@ class HFCheckpointReader:
             path = self.path / filename
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is listed in the index but missing")
-            self._files[filename] = self._safe_open(str(path), framework="pt", device="cpu")
+            try:
+                self._files[filename] = self._safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own SafetensorError type
+                raise CheckpointMismatchError(f"{path}: not a readable safetensors file ({exc})") from exc
         return self._files[filename]
 
     def shape(self, name: str) -> tuple[int, ...]:
