@@ -152,6 +152,32 @@ def test_all_tokens_masked_gives_zero_loss_and_zero_grad():
     assert loss.item() == 0 and torch.count_nonzero(lp.grad) == 0
 
 
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_padding_values_never_reach_the_loss(per_token_adv):
+    """-inf / nan in padded positions (common sentinels) change nothing: loss, gradient, metrics."""
+    x = make_inputs(0, per_token_adv=per_token_adv)
+    pad = ~x["response_mask"]
+    garbage = {k: v.clone() for k, v in x.items()}
+    for name in ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        garbage[name][pad] = float("-inf")
+    garbage["entropy"][pad] = float("nan")
+    if per_token_adv:
+        garbage["advantages"][pad] = float("nan")
+    cfg = PolicyLossConfig(**CONFIGS["everything"])
+    results = []
+    for data in (x, garbage):
+        lp = data["logprobs"].clone().requires_grad_(True)
+        loss, metrics = policy_loss(PolicyLossInputs(**{**data, "logprobs": lp}), cfg)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    (clean_loss, clean_grad, clean_metrics), (loss, grad, metrics) = results
+    torch.testing.assert_close(loss, clean_loss)
+    torch.testing.assert_close(grad, clean_grad)
+    assert torch.count_nonzero(grad[pad]) == 0
+    for name, value in clean_metrics.items():
+        torch.testing.assert_close(metrics[name], value, msg=name)
+
+
 def test_missing_inputs_and_bad_config_are_clear_errors():
     x = make_inputs(0)
     with pytest.raises(ValueError, match=r"needs inputs \['ref_logprobs'\]"):
