@@ -90,8 +90,9 @@ _FINAL_ANSWER = re.compile(r"final\s+answer\s*(?:is\s*:?|:|=|\n)\s*(.+)", re.IGN
 
 
 def _clean_answer_line(line: str) -> str:
+    """Drop markdown, math delimiters ($, \\( \\), \\[ \\]) and a trailing period."""
     line = line.strip().strip("*_` ").strip()
-    line = re.sub(r"^\$+|\$+$", "", line.rstrip(".").strip()).strip()
+    line = re.sub(r"^(?:\$+|\\[(\[])|(?:\$+|\\[)\]])$", "", line.rstrip(".").strip()).strip()
     return line.rstrip(".").strip()
 
 
@@ -114,7 +115,7 @@ _VERDICT_WORD = r"(not\s+correct|incorrect|correct|wrong)"
 _VERDICT_PATTERNS = (
     re.compile(r"verdict\W{0,6}(?:is\W{0,3})?(?:the\s+(?:solution|proof|answer)\s+is\W{0,3})?"
                + _VERDICT_WORD + r"\b"),
-    re.compile(r"\\boxed\{\s*(?:\\text\{)?\s*" + _VERDICT_WORD + r"\b"),
+    re.compile(r"\\boxed\{\s*(?:\\(?:text|textbf|mathrm|mathbf)\s*\{)?\s*" + _VERDICT_WORD + r"\b"),
 )
 
 

@@ -22,6 +22,8 @@ from megatron_marsrl.data_types import ParseStatus, Verdict
     ("Final answer\n\n88", "88"),
     ("final answer: 3\nwait, final answer: 4", "4"),
     ("\\boxed{5}\nFinal answer: 6", "5"),                            # a box beats a final-answer line
+    ("Final answer: \\(\\frac{1}{2}\\).", "\\frac{1}{2}"),             # inline math delimiters
+    ("Final answer:\n\\[ 12 \\]", "12"),
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
@@ -47,6 +49,7 @@ def test_extract_boxed_skips_an_unbalanced_trailing_box():
     ("My review...\n\n`Wrong`", Verdict.WRONG),                      # bare last-line verdict
     ("Review done.\n**Correct.**\n", Verdict.CORRECT),
     ("\\boxed{\\text{Wrong}}", Verdict.WRONG),
+    ("\\boxed{\\textbf{Correct}}", Verdict.CORRECT),
     ("Verdict: *Correct*", Verdict.CORRECT),
 ])
 def test_verdicts(text, verdict):
