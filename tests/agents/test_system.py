@@ -54,6 +54,15 @@ def test_streak_resets_on_wrong_and_gives_up_after_m_failures():
     assert result.answer == "1"
 
 
+def test_a_correct_verdict_resets_the_failure_count():
+    # failures are counted in a row: Wrong, Correct, Wrong is one failure, not two
+    gen = ScriptedGenerator({"solver": ["\\boxed{1}"], "verifier": [BAD, OK, BAD, OK, OK],
+                             "corrector": ["\\boxed{2}", "\\boxed{3}"]})
+    result = run_once(gen, accept_after=2, max_failures=2)
+    assert result.outcome == "accepted" and result.answer == "3"
+    assert [c.confirmations for c in result.candidates] == [0, 1, 2]
+
+
 def test_max_rounds_stops_an_alternating_loop():
     gen = ScriptedGenerator({"solver": ["\\boxed{1}"], "verifier": [OK, BAD] * 5,
                              "corrector": [f"\\boxed{{{i}}}" for i in range(2, 7)]})
