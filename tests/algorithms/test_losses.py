@@ -24,7 +24,8 @@ def make_inputs(seed: int, *, per_token_adv: bool = False, B: int = 6, T: int = 
     logprobs[torch.rand(B, T, generator=g) < 0.3] = -0.002          # confident tokens for DMMPT
     old = logprobs + 0.4 * torch.randn(B, T, generator=g)            # ratios on both sides of the clip range
     rollout = old + 0.2 * torch.randn(B, T, generator=g)
-    rollout[1] = old[1] - 0.8                                        # one sequence with a large mismatch
+    rollout[1] = old[1] - 0.8                                        # large mismatch: p_old >> p_rollout
+    rollout[4] = old[4] + 0.8                                        # and the other way round
     adv = torch.randn(B, T, generator=g) if per_token_adv else torch.randn(B, generator=g)
     return {"logprobs": logprobs, "old_logprobs": old, "advantages": adv, "response_mask": mask,
             "ref_logprobs": logprobs + 0.3 * torch.randn(B, T, generator=g),
