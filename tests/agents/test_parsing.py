@@ -62,6 +62,8 @@ def test_conflicting_verdicts_take_the_last_and_are_flagged():
     parsed = parse_review("Verdict: Correct\nOn second thought there is a gap.\nVerdict: Wrong")
     assert parsed.value == "wrong" and parsed.status is ParseStatus.CONFLICTING_VERDICTS
     assert not parsed.status.is_failure
+    boxed_first = parse_review("\\boxed{\\text{Wrong}}\nOn reflection the step holds.\nVerdict: Correct")
+    assert boxed_first.value == "correct"  # "last" means last in the text, whatever its form
     same = parse_review("Verdict: Wrong\n...\nVerdict: wrong")
     assert same.status is ParseStatus.OK and same.value == "wrong"
 

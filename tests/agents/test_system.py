@@ -132,6 +132,12 @@ def test_vote_rules():
     # confirmations summed over runs beat a single accepted run with fewer
     runs = [run([("7", 3)], "accepted"), run([("8", 2)]), run([("8", 2)])]
     assert vote(runs, same) == "8"
+    # confirmations decide, not the number of runs ending with an answer
+    assert vote([run([("7", 4)], "accepted"), run([("8", 0)]), run([("8", 1)])], same) == "7"
+    # equal confirmations: the answer with more accepted runs, even when seen later
+    assert vote([run([("8", 1), ("9", 0), ("8", 1)]), run([("7", 2)], "accepted")], same) == "7"
+    # within a run, equal confirmations go to the latest candidate
+    assert run([("1", 0), ("2", 0)]).answer == "2" and run([("1", 1), ("2", 0)]).answer == "1"
     # no confirmations anywhere: majority of run answers
     assert vote([run([("1", 0)]), run([("2", 0)]), run([("2", 0)])], same) == "2"
     # equivalent answers are pooled through the matcher
