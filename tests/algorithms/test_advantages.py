@@ -43,13 +43,17 @@ def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float)
 
 
 def random_rollout(rng: random.Random) -> list[dict]:
-    """Samples shaped like a multi-agent rollout: groups of varied size per (problem, turn, input)."""
+    """Samples shaped like a multi-agent rollout: groups of varied size per (problem, turn, input).
+
+    Agents recur over turns (Dr. MAS pools them) and, as in AT-GRPO, a second
+    agent (3) may act in the same turn as another one.
+    """
     rows = []
     binary = rng.random() < 0.5
     for problem in range(rng.randint(1, 4)):
         for turn in range(rng.randint(1, 5)):
-            agent = 0 if turn == 0 else (1 if turn % 2 else 2)
             for inp in range(1 if turn == 0 else rng.randint(1, 3)):
+                agent = 0 if turn == 0 else (3 if rng.random() < 0.3 else (1 if turn % 2 else 2))
                 size = rng.choice([1, 2, 3, 8])
                 constant = rng.random() < 0.2
                 first = float(rng.randint(0, 1))
