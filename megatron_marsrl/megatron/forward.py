@@ -56,6 +56,20 @@ def _shifted(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _pad_for_sequence_parallel(tokens[:, :-1]), _pad_for_sequence_parallel(tokens[:, 1:])
 
 
+def _scaled_logits(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature with the TP vocabulary padding masked to -inf (a copy, so
+    vocab_parallel_cross_entropy may modify it in place)."""
+    from megatron.core import parallel_state as ps
+
+    scaled = logits.float() / temperature
+    vocab = getattr(_unwrap(model), "marsrl_vocab_size", None)
+    if vocab is not None:
+        first = ps.get_tensor_model_parallel_rank() * scaled.shape[-1]
+        if first + scaled.shape[-1] > vocab:
+            scaled[..., max(vocab - first, 0):] = float("-inf")
+    return scaled
+
+
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -93,8 +107,7 @@ def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: flo
         logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            # vocab_parallel_cross_entropy modifies its input in place: `/ temperature` copies.
-            logp = -vocab_parallel_cross_entropy(out.float() / temperature, labels)
+            logp = -vocab_parallel_cross_entropy(_scaled_logits(model, out, temperature), labels)
             return out.sum() * 0.0, {"logprobs": logp[:, : tokens.shape[1] - 1].detach()}
 
         return logits, loss_func
@@ -113,12 +126,13 @@ def full_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     length = tokens.shape[1]
+    vocab = getattr(_unwrap(model), "marsrl_vocab_size", None)
 
     def step(chunk, batch):
         inputs = _pad_for_sequence_parallel(batch["tokens"])
         logits = chunk(inputs, _positions(inputs), None)
         return logits, lambda out: (out.sum() * 0.0, {
-            "logits": gather_from_tensor_model_parallel_region(out)[:, :length].detach()})
+            "logits": gather_from_tensor_model_parallel_region(out)[:, :length, :vocab].detach()})
 
     with torch.no_grad():
         out = _run_schedule(model, [{"tokens": tokens.to(_device())}], step, forward_only=True)
@@ -140,7 +154,7 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
         logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            logp = -vocab_parallel_cross_entropy(out.float() / batch.get("temperature", 1.0), labels)
+            logp = -vocab_parallel_cross_entropy(_scaled_logits(model, out, batch.get("temperature", 1.0)), labels)
             loss, metrics = loss_fn(logp[:, : tokens.shape[1] - 1], batch)
             # clone(): the schedule divides the returned loss in place by the micro-batch count.
             return loss, {"loss": loss.detach().clone(),

@@ -72,16 +72,24 @@ class HFCheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
 
-    def read(self, name: str, dim: int | None, index: int, count: int) -> torch.Tensor:
+    def read(self, name: str, dim: int | None, index: int, count: int, padded_to: int | None = None) -> torch.Tensor:
+        """Chunk ``index`` of ``count`` along ``dim`` (None: all), reading only that slice.
+        ``padded_to`` (dim 0 only) zero-pads the rows to that many before chunking."""
         if name not in self.weight_map:
             raise CheckpointMismatchError(f"{self.path}: tensor {name!r} is missing")
         piece = self._open(self.weight_map[name]).get_slice(name)
         if dim is None:
             return piece[:]
         size = piece.get_shape()[dim]
-        step = size // count
-        sl = slice(index * step, (index + 1) * step)
-        return piece[sl] if dim == 0 else piece[:, sl]
+        step = (padded_to or size) // count
+        start, stop = index * step, (index + 1) * step
+        if dim == 1:
+            return piece[:, start:stop]
+        rows = piece[min(start, size):min(stop, size)]
+        missing = step - rows.shape[0]
+        if missing:
+            rows = torch.cat([rows, rows.new_zeros((missing, *rows.shape[1:]))])
+        return rows
 
     def check_against(self, arch: ModelArch) -> None:
         """Raise CheckpointMismatchError naming missing, unexpected or mis-shaped tensors."""

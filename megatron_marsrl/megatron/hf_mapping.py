@@ -5,7 +5,8 @@ global terms (global layer and expert indices); it is built from one or more HF 
 split over a tensor-parallel group in one of five ways:
 
   replicated  every rank holds the whole tensor (norms, router)
-  rows        split along dim 0 (embedding, output layer)
+  vocab       rows split along dim 0 after zero-padding the vocabulary to a multiple of TP
+              (embedding, output layer); export drops the padding again
   cols        split along dim 1 (attention output, MLP down projection)
   qkv         q/k/v interleaved per query group, then split along dim 0 by groups
   gate_up     [gate; up] with gate and up each split along dim 0 (SwiGLU fc1)
@@ -23,9 +24,16 @@ import torch
 
 from megatron_marsrl.megatron.hf_config import ModelArch
 
-# read(hf_name, dim, index, count) -> chunk `index` of `count` equal chunks along `dim`
-# (dim None: the whole tensor).
-SliceReader = Callable[[str, "int | None", int, int], torch.Tensor]
+# read(hf_name, dim, index, count, padded_to=None) -> chunk `index` of `count` equal chunks
+# along `dim` (dim None: the whole tensor); with `padded_to`, dim 0 is first zero-padded to
+# that many rows.
+SliceReader = Callable[..., torch.Tensor]
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows Megatron holds: the HF vocabulary rounded up to a multiple of TP.
+    The extra rows are zero and their logits are masked to -inf (forward.py)."""
+    return -(-vocab_size // tp) * tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,19 +42,19 @@ class Unit:
     """Megatron parameter name with *global* layer/expert indices."""
     hf_names: tuple[str, ...]
     kind: str
-    """replicated | rows | cols | qkv | gate_up"""
+    """replicated | vocab | cols | qkv | gate_up"""
     group: str | None
     """Which TP group splits it: "tp", "etp" (expert tensor parallel) or None."""
 
 
 def units(arch: ModelArch) -> list[Unit]:
     """Every unit of the model in canonical (export) order."""
-    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "rows", "tp")]
+    out = [Unit("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "tp")]
     for g in range(arch.num_layers):
         out += _layer_units(arch, g)
     out.append(Unit("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", None))
     if not arch.tie_word_embeddings:
-        out.append(Unit("output_layer.weight", ("lm_head.weight",), "rows", "tp"))
+        out.append(Unit("output_layer.weight", ("lm_head.weight",), "vocab", "tp"))
     return out
 
 
@@ -125,10 +133,10 @@ def global_key(local_name: str, layer_offset: int, expert_offset: int) -> str:
 def shard_from_hf(unit: Unit, read: SliceReader, rank: int, size: int, arch: ModelArch) -> torch.Tensor:
     """This rank's shard of ``unit`` built from HF tensors, reading only the needed slices."""
     names = unit.hf_names
-    if unit.kind == "replicated" or size == 1 and unit.kind in ("rows", "cols"):
+    if unit.kind == "replicated" or size == 1 and unit.kind == "cols":
         return read(names[0], None, 0, 1)
-    if unit.kind == "rows":
-        return read(names[0], 0, rank, size)
+    if unit.kind == "vocab":
+        return read(names[0], 0, rank, size, padded_to=padded_vocab_size(arch.vocab_size, size))
     if unit.kind == "cols":
         return read(names[0], 1, rank, size)
     if unit.kind == "gate_up":
@@ -145,8 +153,10 @@ def hf_from_shards(unit: Unit, shards: list[torch.Tensor], arch: ModelArch) -> I
     names = unit.hf_names
     if unit.kind == "replicated":
         yield names[0], shards[0]
-    elif unit.kind in ("rows", "cols"):
-        yield names[0], torch.cat(shards, dim=0 if unit.kind == "rows" else 1)
+    elif unit.kind == "vocab":
+        yield names[0], torch.cat(shards, dim=0)[: arch.vocab_size]
+    elif unit.kind == "cols":
+        yield names[0], torch.cat(shards, dim=1)
     elif unit.kind == "gate_up":
         half = shards[0].shape[0] // 2
         yield names[0], torch.cat([s[:half] for s in shards], dim=0)

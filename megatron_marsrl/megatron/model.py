@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_marsrl.megatron.hf_config import ModelArch
+from megatron_marsrl.megatron.hf_mapping import padded_vocab_size
 from megatron_marsrl.megatron.parallel import ParallelConfig
 
 
@@ -115,7 +116,7 @@ def build_model(arch: ModelArch, parallel: ParallelConfig, *, dtype: torch.dtype
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, config),
-        vocab_size=arch.vocab_size,
+        vocab_size=padded_vocab_size(arch.vocab_size, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -124,6 +125,7 @@ def build_model(arch: ModelArch, parallel: ParallelConfig, *, dtype: torch.dtype
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
     )
+    model.marsrl_vocab_size = arch.vocab_size  # rows beyond it are TP padding (forward.py masks them)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

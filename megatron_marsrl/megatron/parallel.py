@@ -72,7 +72,6 @@ class ParallelConfig:
             (arch.num_attention_heads % self.tp, f"num_attention_heads={arch.num_attention_heads} not divisible by tp={self.tp}"),
             (arch.num_key_value_heads % self.tp, f"num_key_value_heads={arch.num_key_value_heads} not divisible by tp={self.tp}"),
             (arch.ffn_hidden_size % self.tp, f"intermediate_size={arch.ffn_hidden_size} not divisible by tp={self.tp}"),
-            (arch.vocab_size % self.tp, f"vocab_size={arch.vocab_size} not divisible by tp={self.tp}"),
             (arch.num_layers % self.pp, f"num_hidden_layers={arch.num_layers} not divisible by pp={self.pp}"),
         ]
         if arch.is_moe:

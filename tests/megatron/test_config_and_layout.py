@@ -68,6 +68,12 @@ def test_layout_errors_name_the_problem(layout, world, needle):
         ParallelConfig(**layout).validate(_arch(), world)
 
 
+def test_padded_vocab_size():
+    from megatron_marsrl.megatron.hf_mapping import padded_vocab_size
+
+    assert [padded_vocab_size(v, 4) for v in (128, 129, 131, 132)] == [128, 132, 132, 132]
+
+
 def test_expert_parallel_on_dense_model_is_rejected():
     with pytest.raises(LayoutError, match="expert parallelism needs experts"):
         ParallelConfig(ep=2).validate(_arch("llama"), 2)

@@ -35,3 +35,14 @@ def test_logits_logprobs_and_export_match_hf(tiny_hf, family, layout):
         assert r["logprob_diff"] < 1e-4
         assert r["export_mismatched"] == []
         assert r["export_seen"] == r["hf_total"]
+
+
+@pytest.mark.parametrize("family,vocab,layout", [
+    ("llama", 127, {"tp": 2}),  # vocabulary padded to 128 across TP ranks, padding masked
+    pytest.param("qwen3_moe", 131, {"tp": 2, "ep": 2}, marks=pytest.mark.slow),
+])
+def test_vocab_not_divisible_by_tp(tiny_hf, family, vocab, layout):
+    results = launch("tests.megatron.workers:parity", 2, {"hf_dir": tiny_hf(family, vocab_size=vocab), "layout": layout})
+    for r in results:
+        assert r["logit_diff"] < 1e-4 and r["logprob_diff"] < 1e-4
+        assert r["export_mismatched"] == [] and r["export_seen"] == r["hf_total"]

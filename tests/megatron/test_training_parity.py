@@ -41,3 +41,10 @@ def test_distributed_optimizer_with_adam(tiny_hf, reference):
     got = launch("tests.megatron.workers:train_losses", 2,
                  {"hf_dir": tiny_hf("qwen3_moe"), "layout": {"ep": 2, "distributed_optimizer": True}, **kw})
     assert got[0] == pytest.approx(ref, abs=1e-5)
+
+
+def test_padded_vocab_trains_like_world_size_one(tiny_hf):
+    hf = tiny_hf("llama", vocab_size=127)
+    ref = launch("tests.megatron.workers:train_losses", 1, {"hf_dir": hf, "layout": {}})[0]
+    got = launch("tests.megatron.workers:train_losses", 2, {"hf_dir": hf, "layout": {"tp": 2}})
+    assert got[0] == pytest.approx(ref, abs=1e-5)
