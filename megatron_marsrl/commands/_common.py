@@ -28,3 +28,10 @@ def guarded(body: Callable[[], int | None]) -> int:
     except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser, *, source: str, target: str, layout_what: str) -> None:
+    parser.add_argument("--input", required=True, help=source)
+    parser.add_argument("--output", required=True, help=target)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    add_layout_arguments(parser, what=layout_what)
