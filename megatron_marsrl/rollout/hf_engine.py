@@ -1,0 +1,153 @@
+"""The embedded rollout engine: transformers generate() with KV cache, in-process.
+
+It starts in seconds and on tiny CPU models outruns SGLang's torch-native path (PLATFORM.md:
+1234 vs 512 tok/s), so it is the CPU default; SGLang is the engine of record on GPU. Both take
+the same HF checkpoint-named weight updates and return the same records.
+
+Log-probs are those of the sampling distribution (logits / temperature), i.e. what Megatron
+recomputes with the same temperature, so their difference is the train/rollout mismatch.
+"""
+from __future__ import annotations
+
+import re
+from itertools import groupby
+from typing import Iterable
+
+import torch
+
+from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineSampling
+
+# transformers 5 keeps Qwen3-MoE experts fused in memory (experts.gate_up_proj [E, 2I, H],
+# experts.down_proj [E, H, I]) while checkpoints (and our export) name them per expert.
+_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+class UnknownWeightError(KeyError):
+    """A weight update named a tensor the engine's model does not have."""
+
+
+class TransformersEngine:
+    """In-process engine over a HF checkpoint directory."""
+
+    def __init__(self, model_dir: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 max_total_tokens: int = 4096):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model.eval()
+        self.config = self.model.config
+        self.max_total_tokens = max_total_tokens
+        self.weight_version = 0
+        self._params = dict(self.model.named_parameters())
+        self._generator = torch.Generator().manual_seed(seed)
+        eos = self.config.eos_token_id
+        self._eos = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    # ---- generation -------------------------------------------------------------------
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        for req in requests:
+            self._check_request(req)
+        outputs: dict[int, EngineOutput] = {}
+        order = sorted(range(len(requests)), key=lambda i: _sampling_key(requests[i].sampling))
+        for _, group in groupby(order, key=lambda i: _sampling_key(requests[i].sampling)):
+            idx = list(group)
+            for i, out in zip(idx, self._generate_batch([requests[i] for i in idx])):
+                outputs[i] = out
+        return [outputs[i] for i in range(len(requests))]
+
+    def _check_request(self, req: EngineRequest) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.rid!r}: empty prompt")
+        total = len(req.prompt_ids) + req.sampling.max_new_tokens
+        if total > self.max_total_tokens:
+            raise ValueError(f"request {req.rid!r}: prompt {len(req.prompt_ids)} + max_new_tokens "
+                             f"{req.sampling.max_new_tokens} = {total} tokens exceeds max_total_tokens={self.max_total_tokens}")
+        vocab = self.config.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {req.rid!r}: token ids {bad[:5]} outside the vocabulary (size {vocab})")
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        sampling = requests[0].sampling
+        stops = set(self._eos) | set(sampling.stop_token_ids)
+        pad = self._eos[0] if self._eos else 0
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, req in enumerate(requests):  # left padding: generation appends on the right
+            ids[row, width - len(req.prompt_ids):] = torch.tensor(req.prompt_ids)
+            mask[row, width - len(req.prompt_ids):] = 1
+        greedy = sampling.temperature == 0
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._generator.get_state())
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None if greedy or sampling.top_k < 0 else sampling.top_k,
+                max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stops) or None,
+                pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+            self._generator.set_state(torch.get_rng_state())
+        new = out.sequences[:, width:]
+        scale = 1.0 if greedy else sampling.temperature
+        logp = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
+        token_logp = logp.gather(-1, new[..., None])[..., 0]
+        return [self._record(req, new[row], token_logp[row], stops) for row, req in enumerate(requests)]
+
+    def _record(self, req: EngineRequest, tokens: torch.Tensor, logp: torch.Tensor, stops: set) -> EngineOutput:
+        ids = tokens.tolist()
+        end = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+        finish = "stop" if end is not None else "length"
+        end = end or len(ids)
+        return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=ids[:end],
+                            logprobs=logp[:end].tolist(), finish_reason=finish, weight_version=self.weight_version)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(sequences):  # right padding: causal attention ignores it
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return [logp[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
+
+    # ---- weights ----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, version: int) -> int:
+        """Copy HF checkpoint-named tensors into the model. Unknown names raise (unlike
+        SGLang, which ignores them): a sync that changes nothing must not pass silently."""
+        applied = 0
+        for bucket in buckets:
+            for name, tensor in bucket:
+                self._target(name).copy_(tensor)
+                applied += 1
+        self.weight_version = version
+        return applied
+
+    def _target(self, name: str) -> torch.Tensor:
+        if name in self._params:
+            return self._params[name].data
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return self._params["model.embed_tokens.weight"].data
+        match = _EXPERT.match(name)
+        if match:
+            e, proj = int(match["e"]), match["proj"]
+            fused = self._params.get(f"{match['prefix']}.{'down' if proj == 'down' else 'gate_up'}_proj")
+            if fused is not None:
+                if proj == "down":
+                    return fused.data[e]
+                half = fused.shape[1] // 2
+                return fused.data[e, :half] if proj == "gate" else fused.data[e, half:]
+        raise UnknownWeightError(f"weight update names {name!r}, which this {self.config.model_type} model does not have")
+
+    def shutdown(self) -> None:
+        self.model = None
+        self._params = {}
+
+
+def _sampling_key(s: EngineSampling) -> tuple:
+    return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(sorted(s.stop_token_ids)))

@@ -1,0 +1,44 @@
+"""Run on each rank by the rollout tests (via megatron_marsrl.megatron.launch)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_marsrl.megatron.forward import train_step
+from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+from megatron_marsrl.megatron.verify import build_from_hf
+from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
+from megatron_marsrl.rollout.hf_engine import TransformersEngine
+from megatron_marsrl.rollout.weight_sync import logprob_mismatch, sync_weights
+
+TEMPERATURE = 0.8
+
+
+def train_then_sync(hf_dir: str, layout: dict, steps: int = 2, bucket_bytes: int = 32 << 10) -> dict:
+    """Rank 0 holds an embedded engine. Generate, compare with Megatron, train, compare the stale
+    engine, sync, compare again."""
+    arch, parallel, model = build_from_hf(hf_dir, layout)
+    engine = TransformersEngine(hf_dir, seed=1) if dist.get_rank() == 0 else None
+    report = {}
+    seqs = starts = gen_lp = None
+    if engine is not None:
+        gen = torch.Generator().manual_seed(5)
+        requests = [EngineRequest(rid=str(i), prompt_ids=torch.randint(0, arch.vocab_size, (3 + i,), generator=gen).tolist(),
+                                  sampling=EngineSampling(temperature=TEMPERATURE, max_new_tokens=6)) for i in range(3)]
+        outs = engine.generate(requests)
+        seqs = [o.prompt_ids + o.output_ids for o in outs]
+        starts = [len(o.prompt_ids) for o in outs]
+        gen_lp = [o.logprobs for o in outs]
+        report["finish_reasons"] = [o.finish_reason for o in outs]
+    report["rollout_vs_megatron"] = logprob_mismatch(model, seqs, gen_lp, temperature=TEMPERATURE, response_starts=starts)
+    ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0))
+    for _ in range(steps):
+        micro = [{"tokens": torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(9))}]
+        train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))
+    stale = engine.score(seqs, temperature=TEMPERATURE) if engine else None
+    report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale, temperature=TEMPERATURE)
+    report["sync"] = sync_weights(model, arch, engine, version=1, bucket_bytes=bucket_bytes)
+    fresh = engine.score(seqs, temperature=TEMPERATURE) if engine else None
+    report["synced_vs_megatron"] = logprob_mismatch(model, seqs, fresh, temperature=TEMPERATURE)
+    report["engine_version"] = engine.weight_version if engine else None
+    return report
