@@ -85,3 +85,18 @@ def test_megatron_sync_removes_the_stale_mismatch(tiny_hf, layout):
     assert r["synced_vs_megatron"]["max"] < 1e-3         # ...until the sync
     assert r["sync"]["tensors"] == 45 and r["engine_version"] == 1
     assert all(other["synced_vs_megatron"] == r["synced_vs_megatron"] for other in reports)
+
+
+def test_sgl_kernel_stand_in_raises_and_leaves_a_trace(tmp_path, monkeypatch):
+    import importlib.util
+
+    from megatron_marsrl.rollout.sglang_engine import SHIM_DIR
+
+    spec = importlib.util.spec_from_file_location("sgl_kernel_standin", SHIM_DIR / "sgl_kernel" / "__init__.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("MARSRL_SGL_KERNEL_CALL_LOG", str(log))
+    with pytest.raises(RuntimeError, match="import stand-in and must not be called"):
+        shim.rmsnorm(1, 2)
+    assert shim.CALLED == ["rmsnorm"] and log.read_text() == "rmsnorm\n"

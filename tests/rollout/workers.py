@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_marsrl.megatron.forward import train_step
 from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
@@ -14,11 +13,27 @@ from megatron_marsrl.rollout.weight_sync import logprob_mismatch, sync_weights
 TEMPERATURE = 0.8
 
 
-def train_then_sync(hf_dir: str, layout: dict, steps: int = 2, bucket_bytes: int = 32 << 10) -> dict:
-    """Rank 0 holds an embedded engine. Generate, compare with Megatron, train, compare the stale
-    engine, sync, compare again."""
+def _engine(kind: str, hf_dir: str):
+    if kind == "sglang":
+        from megatron_marsrl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(hf_dir, max_total_tokens=2048, seed=1)
+    return TransformersEngine(hf_dir, seed=1)
+
+
+def train_then_sync(hf_dir: str, layout: dict, steps: int = 2, bucket_bytes: int = 32 << 10, engine: str = "hf") -> dict:
+    """Rank 0 holds an engine. Generate, compare with Megatron, train, compare the stale
+    engine, sync, compare again. The probes score whole sequences at temperature 1."""
+    engine = _engine(engine, hf_dir) if int(__import__("os").environ["RANK"]) == 0 else None
     arch, parallel, model = build_from_hf(hf_dir, layout)
-    engine = TransformersEngine(hf_dir, seed=1) if dist.get_rank() == 0 else None
+    try:
+        return _train_then_sync(model, arch, engine, steps, bucket_bytes)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
     report = {}
     seqs = starts = gen_lp = None
     if engine is not None:
@@ -35,10 +50,10 @@ def train_then_sync(hf_dir: str, layout: dict, steps: int = 2, bucket_bytes: int
     for _ in range(steps):
         micro = [{"tokens": torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(9))}]
         train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))
-    stale = engine.score(seqs, temperature=TEMPERATURE) if engine else None
-    report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale, temperature=TEMPERATURE)
+    stale = engine.score(seqs) if engine else None
+    report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale)
     report["sync"] = sync_weights(model, arch, engine, version=1, bucket_bytes=bucket_bytes)
-    fresh = engine.score(seqs, temperature=TEMPERATURE) if engine else None
-    report["synced_vs_megatron"] = logprob_mismatch(model, seqs, fresh, temperature=TEMPERATURE)
+    fresh = engine.score(seqs) if engine else None
+    report["synced_vs_megatron"] = logprob_mismatch(model, seqs, fresh)
     report["engine_version"] = engine.weight_version if engine else None
     return report

@@ -1,0 +1,120 @@
+"""SGLang as a rollout engine (the engine of record on GPU; tested for real on CPU).
+
+On CPU SGLang needs SGLANG_USE_CPU_ENGINE=1 and an import-only stand-in for its CUDA kernel
+package (sglang_cpu_shim/sgl_kernel), put first on the path of SGLang's processes only. The
+engine runs in-process (sglang.Engine, which spawns its scheduler); the weight update uses
+SGLang's begin/update/end session, which 0.5.23 requires.
+
+Log-probs: SGLang reports output tokens under logits / temperature (as Megatron recomputes
+them) but prompt tokens at temperature 1, so :meth:`score` only scores at temperature 1.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
+
+SHIM_DIR = Path(__file__).resolve().parent / "sglang_cpu_shim"
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed a request."""
+
+
+def prepare_cpu_environment() -> None:
+    """Make SGLang's CPU torch-native path importable in this process and its children.
+    GPU runs never call this (see SGLangEngine)."""
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if str(SHIM_DIR) not in sys.path:
+        sys.path.insert(0, str(SHIM_DIR))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(SHIM_DIR) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *paths])
+
+
+class SGLangEngine:
+    """One SGLang engine over a HF checkpoint directory."""
+
+    def __init__(self, model_dir: str, *, max_total_tokens: int = 16384, dtype: str = "auto", seed: int = 0,
+                 tp_size: int = 1, mem_fraction_static: float | None = None, **server_args):
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            prepare_cpu_environment()
+        from sglang.srt.entrypoints.engine import Engine
+
+        kwargs = dict(model_path=str(model_dir), max_total_tokens=max_total_tokens, skip_tokenizer_init=True,
+                      random_seed=seed, tp_size=tp_size, log_level="error",
+                      dtype="float32" if on_cpu and dtype == "auto" else dtype)
+        if on_cpu:
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        if mem_fraction_static is not None:
+            kwargs["mem_fraction_static"] = mem_fraction_static
+        self.max_total_tokens = max_total_tokens
+        self.weight_version = 0
+        self._engine = Engine(**kwargs, **server_args)
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        for req in requests:
+            total = len(req.prompt_ids) + req.sampling.max_new_tokens
+            if not req.prompt_ids or total > self.max_total_tokens:
+                raise ValueError(f"request {req.rid!r}: {len(req.prompt_ids)} prompt tokens + max_new_tokens "
+                                 f"{req.sampling.max_new_tokens} must be in 1..max_total_tokens={self.max_total_tokens}")
+        params = [_sampling_params(r) for r in requests]
+        outs = self._engine.generate(input_ids=[list(r.prompt_ids) for r in requests], sampling_params=params,
+                                     return_logprob=True)
+        return [self._record(r, o) for r, o in zip(requests, outs)]
+
+    def _record(self, req: EngineRequest, out: dict) -> EngineOutput:
+        meta = out["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type", "abort")
+        return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
+                            logprobs=[lp for lp, _, _ in meta["output_token_logprobs"]],
+                            finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
+                            weight_version=self.weight_version)
+
+    def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
+        if temperature != 1.0:
+            raise ValueError("SGLang reports prompt log-probs at temperature 1 only; score with temperature=1.0")
+        outs = self._engine.generate(input_ids=[list(s) for s in sequences],
+                                     sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                     return_logprob=True, logprob_start_len=0)
+        return [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, version: int) -> int:
+        """HF checkpoint-named tensors, one update call per bucket inside one update session.
+        SGLang ignores names it does not know: verify with a log-prob probe after syncing."""
+        applied = 0
+        _check(self._engine.begin_weight_update(), "begin_weight_update")
+        try:
+            for bucket in buckets:
+                _check(self._engine.update_weights_from_tensor(list(bucket), flush_cache=False), "update_weights_from_tensor")
+                applied += len(bucket)
+        finally:
+            _check(self._engine.end_weight_update(), "end_weight_update")
+        self._engine.flush_cache()
+        self.weight_version = version
+        return applied
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def _check(result, what: str) -> None:
+    ok, message = (result if isinstance(result, tuple) else (result, ""))[:2]
+    if not ok:
+        raise EngineError(f"SGLang {what} failed: {message}")
+
+
+def _sampling_params(req: EngineRequest) -> dict:
+    s = req.sampling
+    params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_new_tokens": s.max_new_tokens}
+    if s.stop_token_ids:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+    return params
