@@ -14,6 +14,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_marsrl", "megatron_marsrl.*"]),
+    # The CPU-only stand-in for SGLang's kernel package is data, not a package of ours: it is
+    # put on SGLang's path only on CPU machines (rollout/sglang_engine.py).
+    package_data={"megatron_marsrl.rollout": ["sglang_cpu_shim/sgl_kernel/*.py"]},
     # CPU/CI pins live in requirements/*.txt (installed by scripts/env.sh). These are
     # the loose runtime requirements for users installing into their own stack (NGC).
     install_requires=[
