@@ -56,7 +56,7 @@ def hf_to_mcore(input_dir: str | Path, output_dir: str | Path, parallel: Paralle
          f"{nbytes / 1e6:.1f} MB; layout tp={parallel.tp} pp={parallel.pp} ep={parallel.ep} "
          f"etp={parallel.expert_tp} on {world} rank(s)")
     start = time.perf_counter()
-    _launch("megatron_marsrl.megatron.convert:_hf_to_mcore_rank", world, {
+    _launch(output_dir, "megatron_marsrl.megatron.convert:_hf_to_mcore_rank", world, {
         "input_dir": str(input_dir), "output_dir": str(output_dir), "layout": _layout_dict(parallel)})
     seconds = time.perf_counter() - start
     _log(f"wrote {output_dir} in {seconds:.1f} s, process start-up included ({nbytes / seconds / 1e6:.1f} MB/s)")
@@ -76,7 +76,7 @@ def mcore_to_hf(input_dir: str | Path, output_dir: str | Path, parallel: Paralle
     parallel.validate(arch, world)
     _log(f"{input_dir}: {arch.model_type}, saved under {meta.get('layout')}; exporting on {world} rank(s)")
     start = time.perf_counter()
-    _launch("megatron_marsrl.megatron.convert:_mcore_to_hf_rank", world, {
+    _launch(output_dir, "megatron_marsrl.megatron.convert:_mcore_to_hf_rank", world, {
         "input_dir": str(input_dir), "output_dir": str(output_dir), "layout": _layout_dict(parallel)})
     seconds = time.perf_counter() - start
     nbytes = sum(p.stat().st_size for p in output_dir.glob("*.safetensors"))
@@ -89,12 +89,13 @@ def _layout_dict(parallel: ParallelConfig) -> dict:
             "sequence_parallel": parallel.sequence_parallel}
 
 
-def _launch(target: str, world: int, kwargs: dict) -> None:
+def _launch(output_dir: Path, target: str, world: int, kwargs: dict) -> None:
     from megatron_marsrl.megatron.launch import LaunchError, launch
 
     try:
         launch(target, world, kwargs, env={"OMP_NUM_THREADS": "1"})
     except LaunchError as exc:
+        remove_partial_outputs(output_dir)
         raise ConversionError(f"conversion failed; no output was written.\n{exc}") from exc
 
 

@@ -169,6 +169,3 @@ def _sharded_state(model, optimizer, *, is_loading: bool) -> dict:
                                                           metadata=_OPTIM_METADATA)
     return state
 
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist()}

@@ -136,3 +136,14 @@ def test_corrupt_safetensors_file_leaves_no_output(tiny_hf, tmp_path):
     code, log = _tool("convert_hf_to_mcore.py", "--input", hf, "--output", tmp_path / "out", "--tp", 2)
     assert code == 2 and "not a readable safetensors file" in log
     _no_partial_outputs(tmp_path / "out")
+
+
+def test_failure_inside_the_ranks_is_reported_and_leaves_nothing(tiny_hf, tmp_path):
+    code, log = _tool("convert_hf_to_mcore.py", "--input", tiny_hf("llama"), "--output", tmp_path / "mc")
+    assert code == 0, log
+    for f in (tmp_path / "mc" / "dist").iterdir():  # the metadata survives, the tensors do not
+        if f.suffix == ".distcp":
+            f.write_bytes(b"garbage")
+    code, log = _tool("convert_mcore_to_hf.py", "--input", tmp_path / "mc", "--output", tmp_path / "hf")
+    assert code == 2 and "conversion failed; no output was written" in log and "rank 0 exited" in log
+    _no_partial_outputs(tmp_path / "hf")
