@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert hf-to-mcore": ("megatron_marsrl.commands.convert_hf_to_mcore", "convert a HF safetensors checkpoint to a Megatron torch_dist checkpoint"),
     "convert mcore-to-hf": ("megatron_marsrl.commands.convert_mcore_to_hf", "convert a Megatron torch_dist checkpoint back to HF safetensors"),
     "bench convert": ("megatron_marsrl.commands.bench_convert", "HF load / export throughput (GB/s) versus a raw safetensors read"),
+    "bench weight-sync": ("megatron_marsrl.commands.bench_weight_sync", "Megatron -> engine weight sync (GB/s) versus an in-memory copy"),
+    "bench rollout": ("megatron_marsrl.commands.bench_rollout", "generated tokens/s of the embedded and SGLang engines, side by side"),
     "solve": ("megatron_marsrl.agents.solve_cli", "run the Solver-Verifier-Corrector loop on a problem or a JSONL file"),
     "eval": ("megatron_marsrl.agents.eval_cli", "avg@k / pass@k of solver-only and the whole system on a JSONL dataset"),
 }

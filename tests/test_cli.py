@@ -51,3 +51,27 @@ def test_selfcheck_main_job_passes(tmp_path):
     assert code == 0, out[-3000:]
     assert "bit-exact: True" in out and "PASSED" in out
     assert (tmp_path / "selfcheck" / "mcore" / "marsrl_checkpoint.json").is_file()
+
+
+def test_bench_rollout_and_weight_sync_report_figures(tmp_path):
+    code, out = _marsrl("bench", "rollout", "--engines", "hf", "--batch", 2, "--new-tokens", 8, "--repeats", 1,
+                        "--json", tmp_path / "r.json")
+    assert code == 0, out
+    row = json.loads((tmp_path / "r.json").read_text())["hf"]
+    assert row["tokens_per_batch"] == 16 and row["tokens_per_s"] > 0
+    code, out = _marsrl("bench", "weight-sync", "--size-mb", 30, "--repeats", 1, "--json", tmp_path / "w.json")
+    assert code == 0, out
+    result = json.loads((tmp_path / "w.json").read_text())
+    assert result["bytes"] > 20e6 and result["sync"]["gb_per_s"] > 0 and result["sync_over_copy"] > 0
+
+
+def test_engine_factory_rejects_bad_input(tmp_path):
+    import pytest
+
+    from megatron_marsrl.rollout.factory import make_engine
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        make_engine("hf", str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="engine='vllm'"):
+        make_engine("vllm", str(tmp_path))
