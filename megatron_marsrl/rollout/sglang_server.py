@@ -1,0 +1,236 @@
+"""SGLang as a separate server process: start, readiness, health, shutdown, restart, and an
+HTTP client for generation and weight updates.
+
+Each server is one `python -m sglang.launch_server` process group bound to 127.0.0.1 (unless
+configured otherwise), logging to a file whose tail goes into every start-up error. The
+server dies with the trainer: it gets SIGTERM when its parent exits (PR_SET_PDEATHSIG) and
+an atexit hook stops every server this process started.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
+from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError
+
+_RUNNING: set["SGLangServer"] = set()
+
+
+class EngineStartError(RuntimeError):
+    """The server did not become ready; the message carries its log tail."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SGLangServerConfig:
+    """One SGLang server."""
+
+    model_path: str
+    """Local HF checkpoint directory."""
+    host: str = "127.0.0.1"
+    """Bind address: loopback unless the engines must be reached from other nodes."""
+    port: int = 0
+    """0 picks a free port."""
+    max_total_tokens: int = 16384
+    """KV-cache capacity in tokens (SGLang's CPU default would reserve ~6 GB)."""
+    dtype: str = "auto"
+    """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU."""
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    """First GPU of this engine's group on its node."""
+    mem_fraction_static: float | None = None
+    startup_timeout: float = 300.0
+    seed: int = 0
+    log_dir: str | None = None
+    """Where server logs go (default: a temp dir)."""
+
+    def __post_init__(self):
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"model path {self.model_path}: no config.json (need a local HF checkpoint directory)")
+        if self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens}: too small")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class SGLangServer:
+    def __init__(self, config: SGLangServerConfig):
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.log_path = Path(config.log_dir or os.environ.get("TMPDIR", "/tmp")) / f"sglang-{os.getpid()}-{id(self)}.log"
+        self.weight_version = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "SGLangServer":
+        cfg = self.config
+        port = cfg.port or _free_port(cfg.host)
+        self.url = f"http://{cfg.host}:{port}"
+        on_cpu = not torch.cuda.is_available()
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+               "--port", str(port), "--skip-tokenizer-init", "--max-total-tokens", str(cfg.max_total_tokens),
+               "--tp-size", str(cfg.tp_size), "--random-seed", str(cfg.seed), "--log-level", "warning",
+               "--dtype", "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype]
+        env = dict(os.environ)
+        if on_cpu:
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        else:
+            cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+        if cfg.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        log.close()
+        _RUNNING.add(self)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"SGLang server exited with code {self.proc.returncode} during start-up; "
+                                       f"log {self.log_path} ends with:\n{self.log_tail()}")
+            if self.healthy(timeout=2.0):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"SGLang server not ready after {self.config.startup_timeout:.0f} s; "
+                               f"log {self.log_path} ends with:\n{self.log_tail()}")
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health_generate", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        _RUNNING.discard(self)
+
+    def kill(self) -> None:
+        """Kill the whole server process group at once (what a crash looks like)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> "SGLangServer":
+        self.stop(grace=2.0)
+        self.weight_version = 0
+        return self.start()
+
+    # ---- requests -----------------------------------------------------------------------
+    def _post(self, path: str, payload: dict, timeout: float) -> dict:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise EngineError(f"{self.url}{path}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise ConnectionError(f"{self.url}{path}: {exc}") from exc
+        return json.loads(body) if body else {}
+
+    def generate(self, requests: list[EngineRequest], timeout: float = 600.0) -> list[EngineOutput]:
+        from megatron_marsrl.rollout.sglang_engine import _sampling_params
+
+        outs = self._post("/generate", {"input_ids": [list(r.prompt_ids) for r in requests],
+                                        "sampling_params": [_sampling_params(r) for r in requests],
+                                        "return_logprob": True, "rid": [r.rid or f"r{i}" for i, r in enumerate(requests)]},
+                          timeout)
+        outs = outs if isinstance(outs, list) else [outs]
+        return [self._record(r, o) for r, o in zip(requests, outs)]
+
+    def _record(self, req: EngineRequest, out: dict) -> EngineOutput:
+        meta = out["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type", "abort")
+        return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
+                            logprobs=[lp[0] for lp in meta["output_token_logprobs"]],
+                            finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
+                            weight_version=self.weight_version)
+
+    def update_weights(self, buckets, *, version: int) -> int:
+        """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
+        needs the file_system sharing strategy in this process)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        applied = 0
+        self._ok(self._post("/begin_weight_update", {}, 60), "begin_weight_update")
+        try:
+            for bucket in buckets:
+                payload = [MultiprocessingSerializer.serialize(list(bucket), output_str=True)] * self.config.tp_size
+                self._ok(self._post("/update_weights_from_tensor", {"serialized_named_tensors": payload,
+                                                                    "flush_cache": False,
+                                                                    "weight_version": str(version)}, 600),
+                         "update_weights_from_tensor")
+                applied += len(bucket)
+        finally:
+            self._ok(self._post("/end_weight_update", {}, 60), "end_weight_update")
+        urllib.request.urlopen(f"{self.url}/flush_cache", timeout=60).read()
+        self.weight_version = version
+        return applied
+
+    @staticmethod
+    def _ok(result: dict, what: str) -> None:
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(f"SGLang {what} failed: {result.get('message')}")
+
+    def shutdown(self) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(grace=2.0)
