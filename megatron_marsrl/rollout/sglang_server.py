@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -79,6 +80,42 @@ def _die_with_parent() -> None:
         pass
 
 
+class _Spawner:
+    """Starts every server from one long-lived thread. PR_SET_PDEATHSIG fires when the
+    *thread* that forked the child exits, not the process: a server started from a worker
+    thread (a background restart, a parallel start) would be killed as soon as that thread
+    returned. This thread lives as long as the process, so servers die exactly with it."""
+
+    def __init__(self):
+        import queue
+
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        import concurrent.futures
+
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="sglang-spawner", daemon=True)
+                self._thread.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((args, kwargs, done))
+        return done.result()
+
+    def _loop(self) -> None:
+        while True:
+            args, kwargs, done = self._jobs.get()
+            try:
+                done.set_result(subprocess.Popen(*args, **kwargs))
+            except BaseException as exc:  # hand the error to the caller's thread
+                done.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
 class SGLangServer:
     def __init__(self, config: SGLangServerConfig):
         self.config = config
@@ -108,7 +145,7 @@ class SGLangServer:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        self.proc = _SPAWNER.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         log.close()
         _RUNNING.add(self)
         self._wait_ready()
@@ -176,7 +213,10 @@ class SGLangServer:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as exc:
-            raise EngineError(f"{self.url}{path}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+            detail = exc.read()[:500].decode(errors="replace")
+            if 400 <= exc.code < 500:  # the request itself is wrong: retrying elsewhere cannot help
+                raise ValueError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from exc
+            raise EngineError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise ConnectionError(f"{self.url}{path}: {exc}") from exc
         return json.loads(body) if body else {}

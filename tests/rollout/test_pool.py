@@ -1,0 +1,165 @@
+"""EnginePool over real embedded engines (fast) and real SGLang servers killed mid-generation
+(slow)."""
+import asyncio
+import subprocess
+import threading
+import time
+
+import pytest
+
+from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
+from megatron_marsrl.rollout.hf_engine import TransformersEngine
+from megatron_marsrl.rollout.pool import EnginePool, RequestFailedError
+
+
+class Counting:
+    """A real engine that counts its calls and can be made to fail like a dead process."""
+
+    def __init__(self, engine, fail=False):
+        self.engine, self.fail, self.calls, self.restarts, self._alive = engine, fail, 0, 0, True
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    def alive(self):
+        return self._alive
+
+    def generate(self, requests):
+        self.calls += 1
+        if self.fail:
+            self._alive = False
+            raise ConnectionError("connection reset by peer")
+        time.sleep(0.05)  # let requests overlap so balancing is visible
+        return self.engine.generate(requests)
+
+    def restart(self):
+        self.restarts += 1
+        self.fail, self._alive = False, True
+
+    def update_weights(self, buckets, *, version):
+        return self.engine.update_weights(buckets, version=version)
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def hf_engines(tiny_hf):
+    return [TransformersEngine(tiny_hf("qwen3"), seed=i) for i in range(2)]
+
+
+def _reqs(n, max_new=3):
+    return [EngineRequest(rid=f"q{i}", prompt_ids=[1 + i, 2, 3], sampling=EngineSampling(max_new_tokens=max_new))
+            for i in range(n)]
+
+
+def test_requests_are_balanced_over_engines(hf_engines):
+    a, b = Counting(hf_engines[0]), Counting(hf_engines[1])
+    outs = asyncio.run(EnginePool([a, b], max_concurrency=8).generate_many(_reqs(8)))
+    assert [o.rid for o in outs] == [f"q{i}" for i in range(8)]
+    assert a.calls >= 2 and b.calls >= 2 and a.calls + b.calls == 8
+
+
+def test_failed_requests_are_retried_elsewhere_and_the_dead_engine_restarted(hf_engines):
+    dead, good = Counting(hf_engines[0], fail=True), Counting(hf_engines[1])
+    pool = EnginePool([dead, good], max_concurrency=4)
+    outs = asyncio.run(pool.generate_many(_reqs(6)))
+    assert len(outs) == 6 and all(len(o.output_ids) == 3 for o in outs)
+    assert pool.failures and all(f["engine"] == 0 for f in pool.failures)
+    time.sleep(0.2)
+    assert dead.restarts == 1 and dead.alive()
+
+
+def test_a_request_failing_everywhere_is_reported_not_dropped(hf_engines):
+    pool = EnginePool([Counting(hf_engines[0], fail=True), Counting(hf_engines[1], fail=True)],
+                      max_attempts=2, wait_for_engine=1.0)
+    with pytest.raises(RequestFailedError, match="'q0'"):
+        asyncio.run(pool.generate(_reqs(1)[0]))
+
+
+def test_engines_with_stale_weights_get_no_requests(hf_engines, tiny_hf):
+    stale = Counting(TransformersEngine(tiny_hf("qwen3")))
+    fresh = Counting(hf_engines[1])
+    pool = EnginePool([stale, fresh])
+    pool.version = fresh.engine.weight_version = 5  # as if `stale` restarted after a sync
+    asyncio.run(pool.generate_many(_reqs(4)))
+    assert stale.calls == 0 and fresh.calls == 4
+    fresh.engine.weight_version = 0
+
+
+def test_bad_requests_are_not_retried(hf_engines):
+    engine = Counting(hf_engines[0])
+    bad = EngineRequest(prompt_ids=[], sampling=EngineSampling(max_new_tokens=2))
+    with pytest.raises(ValueError, match="empty prompt"):
+        asyncio.run(EnginePool([engine]).generate(bad))
+    assert engine.calls == 1
+
+
+@pytest.mark.slow
+def test_sglang_server_rejects_bad_requests_without_retry_and_bad_model_path(tiny_hf, tmp_path):
+    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        SGLangServerConfig(model_path=str(tmp_path / "nope"))
+    server = SGLangServer(SGLangServerConfig(model_path=tiny_hf("qwen3"), max_total_tokens=1024, log_dir=str(tmp_path))).start()
+    try:
+        pool = EnginePool([server])
+        too_long = EngineRequest(prompt_ids=[1, 2, 3], sampling=EngineSampling(max_new_tokens=500))
+        with pytest.raises(ValueError, match="maximum context length"):
+            asyncio.run(pool.generate(too_long))
+        assert pool.failures == []
+    finally:
+        server.stop()
+
+
+def test_abort_cancels_in_flight_requests(hf_engines):
+    pool = EnginePool([Counting(hf_engines[0])], max_concurrency=1)
+
+    async def scenario():
+        task = asyncio.create_task(pool.generate_many(_reqs(6, max_new=20)))
+        await asyncio.sleep(0.1)
+        cancelled = pool.abort()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return cancelled
+
+    assert asyncio.run(scenario()) >= 5
+
+
+@pytest.mark.slow
+def test_sglang_server_killed_mid_generation(tiny_hf, tmp_path):
+    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    model = tiny_hf("qwen3", max_position_embeddings=4096)
+    servers = [SGLangServer(SGLangServerConfig(model_path=model, max_total_tokens=16384, seed=i,
+                                               log_dir=str(tmp_path))) for i in range(2)]
+    starters = [threading.Thread(target=s.start) for s in servers]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    try:
+        assert all(s.healthy() for s in servers), [s.log_tail() for s in servers]
+        assert all(s.url.startswith("http://127.0.0.1:") for s in servers)
+        pool = EnginePool(servers, max_concurrency=8, request_timeout=120)
+
+        async def scenario():
+            task = asyncio.create_task(pool.generate_many(_reqs(8, max_new=1500)))
+            await asyncio.sleep(2.0)
+            servers[0].kill()
+            return await task
+
+        outs = asyncio.run(scenario())
+        assert len(outs) == 8, outs
+        assert all(len(o.output_ids) == 1500 for o in outs), [(len(o.output_ids), o.finish_reason) for o in outs]
+        assert any(f["engine"] == 0 for f in pool.failures), "the kill hit no request"
+        deadline = time.time() + 180
+        while not servers[0].healthy() and time.time() < deadline:
+            time.sleep(1)
+        assert servers[0].healthy(), servers[0].log_tail()
+    finally:
+        for s in servers:
+            s.stop()
+    leftover = subprocess.run(["pgrep", "-f", "sglang.launch_server"], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"orphan SGLang processes: {leftover}"
