@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -231,6 +232,16 @@ class SGLangServer:
         outs = outs if isinstance(outs, list) else [outs]
         return [self._record(r, o) for r, o in zip(requests, outs)]
 
+    def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of tokens[1:] (SGLang reports prompt log-probs at temperature 1 only)."""
+        if temperature != 1.0:
+            raise ValueError("SGLang reports prompt log-probs at temperature 1 only; score with temperature=1.0")
+        outs = self._post("/generate", {"input_ids": [list(s) for s in sequences],
+                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                                        "return_logprob": True, "logprob_start_len": 0}, 600)
+        outs = outs if isinstance(outs, list) else [outs]
+        return [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+
     def _record(self, req: EngineRequest, out: dict) -> EngineOutput:
         meta = out["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type", "abort")
@@ -241,11 +252,13 @@ class SGLangServer:
 
     def update_weights(self, buckets, *, version: int) -> int:
         """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
-        needs the file_system sharing strategy in this process)."""
+        needs the file_system sharing strategy in this process). Generation is paused for the
+        update (in-flight requests are retracted and resumed on the new weights)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
         torch.multiprocessing.set_sharing_strategy("file_system")
         applied = 0
+        self._post("/pause_generation", {"mode": "retract"}, 60)
         self._ok(self._post("/begin_weight_update", {}, 60), "begin_weight_update")
         try:
             for bucket in buckets:
@@ -257,9 +270,28 @@ class SGLangServer:
                 applied += len(bucket)
         finally:
             self._ok(self._post("/end_weight_update", {}, 60), "end_weight_update")
-        urllib.request.urlopen(f"{self.url}/flush_cache", timeout=60).read()
+            urllib.request.urlopen(f"{self.url}/flush_cache", timeout=60).read()
+            self._post("/continue_generation", {}, 60)
         self.weight_version = version
         return applied
+
+    # ---- colocated memory (GPU only) ----------------------------------------------------
+    def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")) -> bool:
+        """Free the engine's GPU memory while the trainer runs. Without a CUDA driver SGLang
+        crashes on this call, so on CPU it is skipped (logged) and returns False."""
+        if not torch.cuda.is_available():
+            logging.getLogger(__name__).info("release_memory(%s) skipped: no GPU (the call needs a CUDA driver)", tags)
+            return False
+        self._ok(self._post("/release_memory_occupation", {"tags": list(tags)}, 600), "release_memory_occupation")
+        return True
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")) -> bool:
+        """Re-allocate what :meth:`release_memory` freed, before generation (GPU only)."""
+        if not torch.cuda.is_available():
+            logging.getLogger(__name__).info("resume_memory(%s) skipped: no GPU", tags)
+            return False
+        self._ok(self._post("/resume_memory_occupation", {"tags": list(tags)}, 600), "resume_memory_occupation")
+        return True
 
     @staticmethod
     def _ok(result: dict, what: str) -> None:

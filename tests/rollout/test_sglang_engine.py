@@ -8,10 +8,12 @@ from megatron_marsrl.megatron.launch import launch
 pytestmark = pytest.mark.slow  # SGLang start-up (~20 s) plus 2 Megatron ranks
 
 
-def test_sglang_sync_from_megatron_tp2(tiny_hf, tmp_path):
+@pytest.mark.parametrize("engine,layout", [("sglang", {"tp": 2}), ("sglang_server", {"ep": 2})])
+def test_sglang_sync_from_megatron(tiny_hf, tmp_path, engine, layout):
+    """In-process sglang.Engine under TP2, and the HTTP server process under EP2."""
     calls = tmp_path / "sgl_kernel_calls.log"
     reports = launch("tests.rollout.workers:train_then_sync", 2,
-                     {"hf_dir": tiny_hf("qwen3_moe"), "layout": {"tp": 2}, "engine": "sglang"},
+                     {"hf_dir": tiny_hf("qwen3_moe"), "layout": layout, "engine": engine},
                      env={"OMP_NUM_THREADS": "1", "MARSRL_SGL_KERNEL_CALL_LOG": str(calls)})
     r = reports[0]
     assert r["rollout_vs_megatron"]["max"] < 1e-3 and r["rollout_vs_megatron"]["tokens"] == 18

@@ -18,6 +18,10 @@ def _engine(kind: str, hf_dir: str):
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(hf_dir, max_total_tokens=2048, seed=1)
+    if kind == "sglang_server":
+        from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+        return SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048, seed=1)).start()
     return TransformersEngine(hf_dir, seed=1)
 
 
