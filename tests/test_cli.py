@@ -73,5 +73,26 @@ def test_engine_factory_rejects_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         make_engine("hf", str(tmp_path / "missing"))
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="engine='vllm'"):
+    with pytest.raises(ValueError, match="engine kind='vllm'"):
         make_engine("vllm", str(tmp_path))
+
+
+def test_engine_config_validates_gpu_placement():
+    import pytest
+
+    from megatron_marsrl.rollout.factory import RolloutEngineConfig
+
+    assert RolloutEngineConfig(kind="sglang_server", num_engines=4, tp_size=2).num_engines == 4
+    with pytest.raises(ValueError, match="need more than the 8 GPUs"):
+        RolloutEngineConfig(kind="sglang_server", num_engines=3, tp_size=2, base_gpu_id=4)
+
+
+def test_start_engines_gives_a_pool(tiny_hf):
+    import asyncio
+
+    from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
+    from megatron_marsrl.rollout.factory import RolloutEngineConfig, start_engines
+
+    pool = start_engines(RolloutEngineConfig(kind="hf", num_engines=2), tiny_hf("llama"))
+    out = asyncio.run(pool.generate(EngineRequest(prompt_ids=[3, 4], sampling=EngineSampling(max_new_tokens=2))))
+    assert len(out.output_ids) == 2

@@ -1,22 +1,81 @@
-"""Pick a rollout engine by name: the config switch between the two implementations."""
+"""Pick and start rollout engines from one typed config: the switch between implementations."""
 from __future__ import annotations
 
-ENGINES = ("hf", "sglang")
+import dataclasses
+from pathlib import Path
+
+ENGINES = ("hf", "sglang", "sglang_server")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutEngineConfig:
+    """Which engines generate the rollouts, and where."""
+
+    kind: str = "hf"
+    """"hf": embedded transformers (CPU default, starts in seconds); "sglang": sglang.Engine in
+    this process; "sglang_server": SGLang server processes behind an HTTP client (GPU default)."""
+    num_engines: int = 1
+    """Engines on this node; each gets ``tp_size`` consecutive GPUs."""
+    tp_size: int = 1
+    """Tensor-parallel size of each SGLang engine."""
+    base_gpu_id: int = 0
+    """First GPU used by the engines on this node."""
+    gpus_per_node: int = 8
+    host: str = "127.0.0.1"
+    """Bind address of SGLang servers: loopback unless other nodes must reach them."""
+    max_total_tokens: int = 16384
+    """KV-cache capacity per engine, in tokens."""
+    mem_fraction_static: float | None = None
+    """SGLang's static memory fraction (colocated runs leave room for training)."""
+    startup_timeout: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ENGINES:
+            raise ValueError(f"engine kind={self.kind!r}: choose one of {', '.join(ENGINES)}")
+        if self.num_engines < 1 or self.tp_size < 1:
+            raise ValueError(f"num_engines={self.num_engines}, tp_size={self.tp_size}: both must be >= 1")
+        if self.kind != "hf" and self.base_gpu_id + self.num_engines * self.tp_size > self.gpus_per_node:
+            raise ValueError(f"{self.num_engines} engines x tp {self.tp_size} from GPU {self.base_gpu_id} need more "
+                             f"than the {self.gpus_per_node} GPUs of a node")
 
 
 def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed: int = 0):
-    """``"hf"``: the embedded transformers engine (CPU default, starts in seconds);
-    ``"sglang"``: SGLang (the engine of record on GPU; real torch-native path on CPU)."""
-    from pathlib import Path
+    """One engine of ``kind`` over a local HF checkpoint directory."""
+    cfg = RolloutEngineConfig(kind=kind, max_total_tokens=max_total_tokens, seed=seed)
+    return _start_one(cfg, model_dir, 0)
 
+
+def start_engines(cfg: RolloutEngineConfig, model_dir: str):
+    """Start ``cfg.num_engines`` engines and return them behind one EnginePool."""
+    from megatron_marsrl.rollout.pool import EnginePool
+
+    engines = []
+    try:
+        for i in range(cfg.num_engines):
+            engines.append(_start_one(cfg, model_dir, i))
+    except BaseException:
+        for engine in engines:
+            engine.shutdown()
+        raise
+    return EnginePool(engines)
+
+
+def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model path {model_dir}: no config.json (need a local HF checkpoint directory)")
-    if kind == "hf":
+    if cfg.kind == "hf":
         from megatron_marsrl.rollout.hf_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, seed=seed, max_total_tokens=max_total_tokens)
-    if kind == "sglang":
+        return TransformersEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens)
+    if cfg.kind == "sglang":
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_dir, seed=seed, max_total_tokens=max_total_tokens)
-    raise ValueError(f"engine={kind!r}: choose one of {', '.join(ENGINES)}")
+        return SGLangEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
+                            tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static)
+    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    return SGLangServer(SGLangServerConfig(
+        model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
+        base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
+        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index)).start()
