@@ -3,7 +3,7 @@
 On CPU SGLang needs SGLANG_USE_CPU_ENGINE=1 and an import-only stand-in for its CUDA kernel
 package (sglang_cpu_shim/sgl_kernel), put first on the path of SGLang's processes only. The
 engine runs in-process (sglang.Engine, which spawns its scheduler); the weight update uses
-SGLang's begin/update/end session, which 0.5.23 requires.
+SGLang's begin/update/end session, which 0.5.23 requires, with one flattened bucket per call.
 
 Log-probs: SGLang reports output tokens under logits / temperature (as Megatron recomputes
 them) but prompt tokens at temperature 1, so :meth:`score` only scores at temperature 1.
@@ -56,6 +56,7 @@ class SGLangEngine:
             kwargs["mem_fraction_static"] = mem_fraction_static
         self.max_total_tokens = max_total_tokens
         self.weight_version = 0
+        self._tp_size = tp_size
         self._engine = Engine(**kwargs, **server_args)
 
     def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
@@ -92,7 +93,9 @@ class SGLangEngine:
         _check(self._engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in buckets:
-                _check(self._engine.update_weights_from_tensor(list(bucket), flush_cache=False), "update_weights_from_tensor")
+                payloads = [serialize_bucket(bucket)] * self._tp_size
+                _check(self._engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False),
+                       "update_weights_from_tensor")
                 applied += len(bucket)
         finally:
             _check(self._engine.end_weight_update(), "end_weight_update")
@@ -104,6 +107,17 @@ class SGLangEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], *, output_str: bool = False):
+    """One bucket as a single flattened tensor + metadata, serialized for SGLang's
+    ``load_format="flattened_bucket"``: one IPC handle per bucket instead of one per tensor."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat = FlattenedTensorBucket(named_tensors=list(bucket))
+    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    return MultiprocessingSerializer.serialize(payload, output_str=output_str)
 
 
 def _check(result, what: str) -> None:

@@ -220,7 +220,10 @@ class SGLangServer:
             raise EngineError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise ConnectionError(f"{self.url}{path}: {exc}") from exc
-        return json.loads(body) if body else {}
+        try:
+            return json.loads(body) if body else {}
+        except json.JSONDecodeError:  # a few endpoints (flush_cache) answer in plain text
+            return {"text": body.decode(errors="replace")}
 
     def generate(self, requests: list[EngineRequest], timeout: float = 600.0) -> list[EngineOutput]:
         from megatron_marsrl.rollout.sglang_engine import _sampling_params
@@ -254,7 +257,7 @@ class SGLangServer:
         """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
         needs the file_system sharing strategy in this process). Generation is paused for the
         update (in-flight requests are retracted and resumed on the new weights)."""
-        from sglang.srt.utils import MultiprocessingSerializer
+        from megatron_marsrl.rollout.sglang_engine import serialize_bucket
 
         torch.multiprocessing.set_sharing_strategy("file_system")
         applied = 0
@@ -262,8 +265,9 @@ class SGLangServer:
         self._ok(self._post("/begin_weight_update", {}, 60), "begin_weight_update")
         try:
             for bucket in buckets:
-                payload = [MultiprocessingSerializer.serialize(list(bucket), output_str=True)] * self.config.tp_size
+                payload = [serialize_bucket(bucket, output_str=True)] * self.config.tp_size
                 self._ok(self._post("/update_weights_from_tensor", {"serialized_named_tensors": payload,
+                                                                    "load_format": "flattened_bucket",
                                                                     "flush_cache": False,
                                                                     "weight_version": str(version)}, 600),
                          "update_weights_from_tensor")
@@ -274,6 +278,21 @@ class SGLangServer:
             self._post("/continue_generation", {}, 60)
         self.weight_version = version
         return applied
+
+    # ---- disaggregated weight updates ---------------------------------------------------
+    def init_weights_group(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int,
+                           group_name: str, backend: str) -> None:
+        """Join the trainer's weight-broadcast group (blocks until every member has joined)."""
+        self._ok(self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, 600), "init_weights_update_group")
+
+    def receive_bucket(self, bucket, *, group_name: str, version: int) -> None:
+        """Receive one bucket broadcast by the trainer (blocks until the broadcasts are done)."""
+        self._ok(self._post("/update_weights_from_distributed", {
+            "names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": False,
+            "weight_version": str(version)}, 600), "update_weights_from_distributed")
 
     # ---- colocated memory (GPU only) ----------------------------------------------------
     def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")) -> bool:

@@ -52,3 +52,59 @@ def logprob_mismatch(model, sequences: list[list[int]] | None, engine_logprobs: 
         diffs.append((mine - torch.tensor(theirs, dtype=mine.dtype)).abs())
     flat = torch.cat(diffs)
     return {"max": float(flat.max()), "mean": float(flat.mean()), "tokens": int(flat.numel())}
+
+
+class DistributedWeightSender:
+    """Disaggregated mode: SGLang servers on other GPUs (or nodes) receive the weights by
+    broadcast over a dedicated process group (NCCL on GPU, gloo on CPU) from one trainer rank,
+    instead of through shared-memory handles. Create and use it on that trainer rank only."""
+
+    def __init__(self, servers: list, *, master_address: str = "127.0.0.1", master_port: int = 0,
+                 backend: str | None = None, group_name: str = "marsrl_weights"):
+        import socket
+        from concurrent.futures import ThreadPoolExecutor
+
+        from sglang.srt.utils.common import init_custom_process_group
+
+        self.servers, self.group_name = servers, group_name
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if not master_port:
+            with socket.socket() as sock:
+                sock.bind((master_address, 0))
+                master_port = sock.getsockname()[1]
+        world = 1 + sum(s.config.tp_size for s in servers)
+        offsets = [1 + sum(s.config.tp_size for s in servers[:i]) for i in range(len(servers))]
+        with ThreadPoolExecutor(len(servers)) as pool:  # the servers join while we join
+            joins = [pool.submit(s.init_weights_group, master_address, master_port, rank_offset=o, world_size=world,
+                                 group_name=group_name, backend=backend) for s, o in zip(servers, offsets)]
+            self.group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                                   world_size=world, rank=0, group_name=group_name)
+            for join in joins:
+                join.result()
+
+    def send(self, buckets, *, version: int) -> dict:
+        from concurrent.futures import ThreadPoolExecutor
+
+        start, nbytes = time.perf_counter(), 0
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            for server in self.servers:
+                server._post("/pause_generation", {"mode": "retract"}, 60)
+                server._ok(server._post("/begin_weight_update", {}, 60), "begin_weight_update")
+            try:
+                for bucket in buckets:
+                    receives = [pool.submit(s.receive_bucket, bucket, group_name=self.group_name, version=version)
+                                for s in self.servers]
+                    for _, tensor in bucket:
+                        dist.broadcast(tensor.contiguous(), src=0, group=self.group)
+                        nbytes += tensor.numel() * tensor.element_size()
+                    for r in receives:
+                        r.result()
+            finally:
+                for server in self.servers:
+                    server._ok(server._post("/end_weight_update", {}, 60), "end_weight_update")
+                    server._post("/flush_cache", {}, 60)
+                    server._post("/continue_generation", {}, 60)
+        for server in self.servers:
+            server.weight_version = version
+        seconds = time.perf_counter() - start
+        return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}

@@ -21,3 +21,9 @@ def test_sglang_sync_from_megatron(tiny_hf, tmp_path, engine, layout):
     assert r["synced_vs_megatron"]["max"] < 1e-3
     assert r["sync"]["tensors"] == 45 and r["engine_version"] == 1
     assert not calls.exists(), f"stand-in kernels were called: {calls.read_text()}"
+
+
+def test_disaggregated_update_over_a_gloo_group(tiny_hf):
+    r = launch("tests.rollout.workers:distributed_update", 1, {"hf_dir": tiny_hf("qwen3_moe")},
+               env={"OMP_NUM_THREADS": "1"})[0]
+    assert r["changed"] > 1e-3 and r["vs_reference"] < 1e-4 and r["version"] == 4 and r["bytes"] > 0

@@ -61,3 +61,30 @@ def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
     report["synced_vs_megatron"] = logprob_mismatch(model, seqs, fresh)
     report["engine_version"] = engine.weight_version if engine else None
     return report
+
+
+def distributed_update(hf_dir: str) -> dict:
+    """A 'trainer' process broadcasts scaled weights to an SGLang server over a gloo group;
+    the server's log-probs must then equal the embedded engine's holding the same weights."""
+    from megatron_marsrl.megatron.hf_checkpoint import HFCheckpointReader
+    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_marsrl.rollout.weight_sync import DistributedWeightSender
+
+    server = SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048)).start()
+    try:
+        reader = HFCheckpointReader(hf_dir)
+        names = [n for n in reader.weight_map if "mlp" in n]
+        bucket = [(n, reader.read(n, None, 0, 1) * 0.7) for n in names]
+        seq = [[3, 17, 42, 5, 99, 8, 1, 64]]
+        before = server.score(seq)
+        sender = DistributedWeightSender([server])
+        report = sender.send([bucket[: len(bucket) // 2], bucket[len(bucket) // 2:]], version=4)
+        after = server.score(seq)
+        reference = TransformersEngine(hf_dir)
+        reference.update_weights([bucket], version=4)
+        expected = reference.score(seq)
+        return {"changed": max(abs(a - b) for a, b in zip(before[0], after[0])),
+                "vs_reference": max(abs(a - b) for a, b in zip(after[0], expected[0])),
+                "version": server.weight_version, "bytes": report["bytes"]}
+    finally:
+        server.stop()
