@@ -4,6 +4,10 @@ Covers megatron-core 0.19.2 with torch 2.14.1 (CUDA build without a driver, or C
 Each patch says what it replaces and why; delete a patch when upstream stops calling CUDA on
 that path. GPU runs never reach this module: parallel.init_parallel applies it only when
 ``torch.cuda.is_available()`` is False, and :func:`apply` re-checks.
+
+Not patched: moe/paged_stash.py imports triton unconditionally, but our environment has
+triton (SGLang depends on it), so that import succeeds on CPU; a triton-less CPU install would
+need a stand-in here.
 """
 from __future__ import annotations
 

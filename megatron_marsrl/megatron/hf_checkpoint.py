@@ -184,7 +184,8 @@ def export_hf_buckets(model, arch: ModelArch, *, bucket_bytes: int = 512 << 20,
     (a single larger tensor gets a bucket of its own), identically on every rank.
 
     Collective: every rank of the world must iterate it to the end. Memory beyond the model
-    is one gathered unit plus one bucket.
+    is one gathered unit plus one bucket. Tensors may alias the model's parameters (world
+    size 1, replicated units): consume or copy them before the next optimizer step.
     """
     mine = {unit.key: (param, unit) for param, unit, _ in _local_units(model, arch)}
     world = dist.get_world_size() if dist.is_initialized() else 1
