@@ -17,7 +17,11 @@ class RolloutEngineConfig:
     num_engines: int = 1
     """Engines on this node; each gets ``tp_size`` consecutive GPUs."""
     tp_size: int = 1
-    """Tensor-parallel size of each SGLang engine."""
+    """Tensor-parallel size of each SGLang engine (the GPUs it spans)."""
+    ep_size: int = 1
+    """Expert-parallel size inside each SGLang engine (MoE); divides tp_size."""
+    dp_size: int = 1
+    """Data-parallel attention replicas inside each SGLang engine."""
     base_gpu_id: int = 0
     """First GPU used by the engines on this node."""
     gpus_per_node: int = 8
@@ -77,5 +81,6 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
 
     return SGLangServer(SGLangServerConfig(
         model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
+        ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
         startup_timeout=cfg.startup_timeout, seed=cfg.seed + index)).start()

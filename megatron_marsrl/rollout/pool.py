@@ -96,10 +96,14 @@ class EnginePool:
             self._tasks.difference_update(tasks)
 
     def abort(self) -> int:
-        """Cancel every request in flight; returns how many were cancelled."""
+        """Cancel every request in flight, here and on the engines that support it
+        (``abort_all``); returns how many requests were cancelled."""
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
             task.cancel()
+        for slot in self._slots:
+            if hasattr(slot.engine, "abort_all"):
+                slot.engine.abort_all()
         return len(pending)
 
     # ---- recovery and weights ----------------------------------------------------------

@@ -50,6 +50,11 @@ class SGLangServerConfig:
     dtype: str = "auto"
     """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU."""
     tp_size: int = 1
+    """Tensor-parallel size of the engine (GPUs it spans)."""
+    ep_size: int = 1
+    """Expert-parallel size inside the engine (MoE); must divide tp_size."""
+    dp_size: int = 1
+    """Data-parallel attention replicas inside the engine."""
     base_gpu_id: int = 0
     """First GPU of this engine's group on its node."""
     mem_fraction_static: float | None = None
@@ -63,6 +68,8 @@ class SGLangServerConfig:
             raise FileNotFoundError(f"model path {self.model_path}: no config.json (need a local HF checkpoint directory)")
         if self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens={self.max_total_tokens}: too small")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
 
 
 def _free_port(host: str) -> int:
@@ -133,7 +140,8 @@ class SGLangServer:
         on_cpu = not torch.cuda.is_available()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
                "--port", str(port), "--skip-tokenizer-init", "--max-total-tokens", str(cfg.max_total_tokens),
-               "--tp-size", str(cfg.tp_size), "--random-seed", str(cfg.seed), "--log-level", "warning",
+               "--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size), "--dp-size", str(cfg.dp_size),
+               "--random-seed", str(cfg.seed), "--log-level", "warning",
                "--dtype", "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype]
         env = dict(os.environ)
         if on_cpu:
@@ -278,6 +286,14 @@ class SGLangServer:
             self._post("/continue_generation", {}, 60)
         self.weight_version = version
         return applied
+
+    def abort_all(self) -> None:
+        """Abort every request the server is working on (cancelling our side alone would leave
+        them running there)."""
+        try:
+            self._post("/abort_request", {"rid": "", "abort_all": True}, 30)
+        except (ConnectionError, ValueError, EngineError):
+            pass  # a dead server has nothing left to abort
 
     # ---- disaggregated weight updates ---------------------------------------------------
     def init_weights_group(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int,

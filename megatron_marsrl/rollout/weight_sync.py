@@ -28,6 +28,26 @@ def sync_weights(model, arch: ModelArch, engine, *, version: int, bucket_bytes: 
     return {"bytes": nbytes, "seconds": seconds, "tensors": tensors, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
 
 
+class WeightSyncError(RuntimeError):
+    """After a sync the engine's log-probs still disagree with Megatron's."""
+
+
+def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list[list[int]],
+                    bucket_bytes: int = 256 << 20, tolerance: float = 1e-3) -> dict:
+    """Sync, then score ``probe`` sequences with the engine and with Megatron (temperature 1):
+    a sync that changed nothing (SGLang silently ignores unknown tensor names) or changed the
+    wrong tensors shows up as a mismatch, and raises. Collective; ``probe`` is needed on the
+    engine rank only. Returns the sync figures plus ``mismatch`` (max/mean/tokens)."""
+    report = sync_weights(model, arch, engine, version=version, bucket_bytes=bucket_bytes)
+    scored = engine.score(probe) if engine is not None else None
+    report["mismatch"] = logprob_mismatch(model, probe, scored)
+    if report["mismatch"]["max"] > tolerance:
+        raise WeightSyncError(f"after syncing weight version {version} the engine's log-probs differ from "
+                              f"Megatron's by up to {report['mismatch']['max']:.3g} (tolerance {tolerance}); "
+                              "check that the engine knows every exported tensor name")
+    return report
+
+
 def _share(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj

@@ -100,3 +100,19 @@ def test_sgl_kernel_stand_in_raises_and_leaves_a_trace(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="import stand-in and must not be called"):
         shim.rmsnorm(1, 2)
     assert shim.CALLED == ["rmsnorm"] and log.read_text() == "rmsnorm\n"
+
+
+def test_a_sync_that_changes_nothing_is_detected(tiny_hf):
+    message = launch("tests.rollout.workers:sync_that_misses_tensors", 1, {"hf_dir": tiny_hf("qwen3_moe")})[0]
+    assert "differ from Megatron's" in message
+
+
+def test_memory_release_is_skipped_on_cpu(tiny_hf, caplog):
+    import logging
+
+    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    server = SGLangServer(SGLangServerConfig(model_path=tiny_hf("qwen3")))  # never started: CPU path returns first
+    with caplog.at_level(logging.INFO):
+        assert server.release_memory() is False and server.resume_memory() is False
+    assert "skipped: no GPU" in caplog.text

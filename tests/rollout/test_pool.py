@@ -163,3 +163,31 @@ def test_sglang_server_killed_mid_generation(tiny_hf, tmp_path):
             s.stop()
     leftover = subprocess.run(["pgrep", "-f", "sglang.launch_server"], capture_output=True, text=True).stdout.split()
     assert not leftover, f"orphan SGLang processes: {leftover}"
+
+
+@pytest.mark.slow
+def test_servers_die_with_a_crashed_trainer(tiny_hf, tmp_path):
+    """The trainer process is killed without any clean-up (os._exit): its SGLang server
+    must not outlive it (parent-death signal), leaving no process behind."""
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os
+        from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+        server = SGLangServer(SGLangServerConfig(model_path={tiny_hf("qwen3")!r}, max_total_tokens=1024,
+                                                 log_dir={str(tmp_path)!r})).start()
+        print(server.url.rsplit(":", 1)[1], flush=True)
+        os._exit(1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400)
+    port = proc.stdout.strip().splitlines()[-1]
+    assert port.isdigit(), proc.stdout + proc.stderr[-2000:]
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        alive = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*--port {port}"], capture_output=True,
+                               text=True).stdout.split()
+        if not alive:
+            break
+        time.sleep(1)
+    assert not alive, f"server processes outlived the trainer: {alive}"

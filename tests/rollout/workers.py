@@ -8,7 +8,7 @@ from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.verify import build_from_hf
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
 from megatron_marsrl.rollout.hf_engine import TransformersEngine
-from megatron_marsrl.rollout.weight_sync import logprob_mismatch, sync_weights
+from megatron_marsrl.rollout.weight_sync import logprob_mismatch, sync_and_verify, sync_weights
 
 TEMPERATURE = 0.8
 
@@ -56,9 +56,8 @@ def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
         train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))
     stale = engine.score(seqs) if engine else None
     report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale)
-    report["sync"] = sync_weights(model, arch, engine, version=1, bucket_bytes=bucket_bytes)
-    fresh = engine.score(seqs) if engine else None
-    report["synced_vs_megatron"] = logprob_mismatch(model, seqs, fresh)
+    report["sync"] = sync_and_verify(model, arch, engine, version=1, probe=seqs, bucket_bytes=bucket_bytes)
+    report["synced_vs_megatron"] = report["sync"]["mismatch"]
     report["engine_version"] = engine.weight_version if engine else None
     return report
 
@@ -88,3 +87,24 @@ def distributed_update(hf_dir: str) -> dict:
                 "version": server.weight_version, "bytes": report["bytes"]}
     finally:
         server.stop()
+
+
+def sync_that_misses_tensors(hf_dir: str) -> str:
+    """A sync whose names the engine does not apply must be caught by the probe."""
+    from megatron_marsrl.rollout.weight_sync import WeightSyncError
+
+    arch, parallel, model = build_from_hf(hf_dir, {})
+
+    class Forgetful(TransformersEngine):
+        def update_weights(self, buckets, *, version):  # like SGLang with unknown names
+            self.weight_version = version
+            return sum(len(b) for b in buckets)
+
+    engine = Forgetful(hf_dir)
+    ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0))
+    train_step(ddp, optimizer, [{"tokens": torch.randint(0, arch.vocab_size, (1, 12))}], lambda lp, b: (-lp.mean(), {}))
+    try:
+        sync_and_verify(model, arch, engine, version=1, probe=[[1, 2, 3, 4, 5, 6]])
+    except WeightSyncError as exc:
+        return str(exc)
+    return "not detected"
