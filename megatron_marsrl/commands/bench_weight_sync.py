@@ -10,9 +10,7 @@ and prints bytes, seconds, GB/s and sync/copy. On GPU (SGLang engine) the same c
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -30,19 +28,10 @@ def run(args) -> int:
     return guarded(lambda: _bench(args))
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _bench(args) -> int:
     import torch
 
-    from megatron_marsrl.commands.bench_convert import synthetic_config, write_synthetic_checkpoint
+    from megatron_marsrl.commands.bench_convert import _median_seconds, synthetic_config, write_synthetic_checkpoint
     from megatron_marsrl.megatron.hf_config import ModelArch
     from megatron_marsrl.megatron.parallel import ParallelConfig
     from megatron_marsrl.megatron.verify import build_from_hf
