@@ -173,7 +173,9 @@ class SGLangServer:
         raise EngineStartError(f"SGLang server not ready after {self.config.startup_timeout:.0f} s; "
                                f"log {self.log_path} ends with:\n{self.log_tail()}")
 
-    def healthy(self, timeout: float = 5.0) -> bool:
+    def healthy(self, timeout: float = 30.0) -> bool:
+        """True when the server answers a tiny generation (/health_generate) within
+        ``timeout``; generous by default because a loaded CPU machine answers slowly."""
         try:
             with urllib.request.urlopen(f"{self.url}/health_generate", timeout=timeout) as resp:
                 return resp.status == 200
