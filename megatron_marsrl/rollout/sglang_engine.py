@@ -68,15 +68,7 @@ class SGLangEngine:
         params = [_sampling_params(r) for r in requests]
         outs = self._engine.generate(input_ids=[list(r.prompt_ids) for r in requests], sampling_params=params,
                                      return_logprob=True)
-        return [self._record(r, o) for r, o in zip(requests, outs)]
-
-    def _record(self, req: EngineRequest, out: dict) -> EngineOutput:
-        meta = out["meta_info"]
-        finish = (meta.get("finish_reason") or {}).get("type", "abort")
-        return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
-                            logprobs=[lp for lp, _, _ in meta["output_token_logprobs"]],
-                            finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
-                            weight_version=self.weight_version)
+        return [to_record(r, o, self.weight_version) for r, o in zip(requests, outs)]
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         if temperature != 1.0:
@@ -107,6 +99,16 @@ class SGLangEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def to_record(req: EngineRequest, out: dict, weight_version: int) -> EngineOutput:
+    """One SGLang generate result (in-process or over HTTP) as our record."""
+    meta = out["meta_info"]
+    finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
+                        logprobs=[entry[0] for entry in meta["output_token_logprobs"]],
+                        finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
+                        weight_version=weight_version)
 
 
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], *, output_str: bool = False):

@@ -236,14 +236,14 @@ class SGLangServer:
             return {"text": body.decode(errors="replace")}
 
     def generate(self, requests: list[EngineRequest], timeout: float = 600.0) -> list[EngineOutput]:
-        from megatron_marsrl.rollout.sglang_engine import _sampling_params
+        from megatron_marsrl.rollout.sglang_engine import _sampling_params, to_record
 
         outs = self._post("/generate", {"input_ids": [list(r.prompt_ids) for r in requests],
                                         "sampling_params": [_sampling_params(r) for r in requests],
                                         "return_logprob": True, "rid": [r.rid or f"r{i}" for i, r in enumerate(requests)]},
                           timeout)
         outs = outs if isinstance(outs, list) else [outs]
-        return [self._record(r, o) for r, o in zip(requests, outs)]
+        return [to_record(r, o, self.weight_version) for r, o in zip(requests, outs)]
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         """Log-probs of tokens[1:] (SGLang reports prompt log-probs at temperature 1 only)."""
@@ -254,14 +254,6 @@ class SGLangServer:
                                         "return_logprob": True, "logprob_start_len": 0}, 600)
         outs = outs if isinstance(outs, list) else [outs]
         return [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
-
-    def _record(self, req: EngineRequest, out: dict) -> EngineOutput:
-        meta = out["meta_info"]
-        finish = (meta.get("finish_reason") or {}).get("type", "abort")
-        return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
-                            logprobs=[lp[0] for lp in meta["output_token_logprobs"]],
-                            finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
-                            weight_version=self.weight_version)
 
     def update_weights(self, buckets, *, version: int) -> int:
         """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
