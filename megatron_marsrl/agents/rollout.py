@@ -28,9 +28,11 @@ outputs of the previous step move on to their next stage.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -160,6 +162,12 @@ class GroupedRollout:
         self.counter = counter if counter is not None else ParseCounter()
         self.selector = get_selector(config.selection)
         self._ids = itertools.count()
+        self.salt = ""
+        """Mixed into group ids and sampling seeds (the trainer sets the step), so a resumed run
+        samples exactly what an uninterrupted one would."""
+        self.on_group: Callable[[Group], None] | None = None
+        """Called with each group as soon as it is generated and rewarded (the trainer's
+        micro-batch scheduler starts training it while other groups are still sampling)."""
 
     async def stage(self, problem: Problem, turn: int, inputs: Sequence[Sample] = ()) -> list[Group]:
         """One async step: a group of G for each input (the Solver: one group, no input)."""
@@ -200,8 +208,10 @@ class GroupedRollout:
         slot, stage = stage_of(turn)
         role = getattr(self.roles, slot)
         inputs = _inputs(problem, slot, parent)
-        group_id = f"{problem.id}/{stage}/g{next(self._ids)}"
-        outputs = await call_role(role, self.generators[slot], inputs, self.config.sampling,
+        group_id = f"{problem.id}/{stage}/{self.salt}g{next(self._ids)}"
+        key = f"{self.config.seed}:{self.salt}:{problem.id}:{turn}:{parent.sample_id if parent else ''}"
+        sampling = dataclasses.replace(self.config.sampling, seed=zlib.crc32(key.encode()))
+        outputs = await call_role(role, self.generators[slot], inputs, sampling,
                                   n=self.config.group_size, counter=self.counter)
         group = Group(group_id=group_id, role=role.name, stage=stage, turn=turn, problem_id=problem.id,
                       input_sample_id=parent.sample_id if parent else None)
@@ -210,6 +220,8 @@ class GroupedRollout:
             sample = _sample(out, f"{group_id}/{i}", group, parent, inputs)
             sample.reward = float(reward(sample, problem.answer))
             group.samples.append(sample)
+        if self.on_group is not None:
+            self.on_group(group)
         return group
 
 

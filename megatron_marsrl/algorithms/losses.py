@@ -157,13 +157,17 @@ def _sum_over(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
 
 
 def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str,
-              process_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+              process_group: dist.ProcessGroup | None = None, *, normalizer: float | None = None) -> torch.Tensor:
     """Reduce [B, T] token losses to a scalar with `mode` (see module docstring).
 
     With a process group of size W the denominator (token or sequence count) is
     summed over the group and the result multiplied by W, so that averaging the
     gradients over the group (DDP / Megatron default) yields the gradient of the
     aggregate over all ranks' data.
+
+    With `normalizer` the denominator is that constant instead (no collective): a
+    trainer that streams micro-batches of one step divides by the step's total
+    `aggregation_units` once all of them are known (see `aggregation_units`).
     """
     m = mask.to(token_loss.dtype)
     masked = torch.where(mask.bool(), token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
@@ -177,8 +181,19 @@ def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str,
         numerator, denominator = per_seq.sum(), (tokens > 0).to(token_loss.dtype).sum()
     else:
         raise ValueError(f"aggregation {mode!r} is not one of {AGGREGATIONS}")
+    if normalizer is not None:
+        return numerator / normalizer
     denominator = _sum_over(denominator, process_group).clamp(min=1)
     return numerator * _world(process_group) / denominator
+
+
+def aggregation_units(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What `aggregate` divides by for this micro-batch: counted tokens ("token-mean") or
+    sequences with at least one counted token (the per-sequence modes)."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation {mode!r} is not one of {AGGREGATIONS}")
+    m = mask.bool()
+    return m.sum().float() if mode == "token-mean" else m.any(-1).sum().float()
 
 
 def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -237,14 +252,16 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
-                process_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                process_group: dist.ProcessGroup | None = None, *,
+                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss to minimise and detached 0-dim metrics.
 
     Metrics: pg_loss, clip_low_fraction, clip_high_fraction, dual_clip_fraction,
     approx_kl (old vs current), and when enabled kl, entropy, dmmpt_active,
     dmmpt_masked_fraction, tis_weight_mean, tis_truncated_fraction,
-    tis_masked_sequence_fraction. Fractions are over response tokens (sequences
-    for the last one) of this micro-batch.
+    tis_masked_sequence_fraction, and aggregation_units (the denominator's share of
+    this micro-batch). Fractions are over response tokens (sequences for the last
+    one) of this micro-batch. `normalizer`: see `aggregate`.
     """
     _check_required(inputs, config)
     mask = inputs.response_mask.bool()
@@ -272,7 +289,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
         token_loss = token_loss - config.entropy_coef * inputs.entropy
     if inputs.entropy is not None:
         metrics["entropy"] = _masked_mean(inputs.entropy, mask)
-    loss = aggregate(token_loss, loss_mask, config.aggregation, process_group)
+    loss = aggregate(token_loss, loss_mask, config.aggregation, process_group, normalizer=normalizer)
+    metrics["aggregation_units"] = aggregation_units(loss_mask, config.aggregation)
     metrics["pg_loss"] = _masked_mean(pg, loss_mask)
     for name in ("clip_low", "clip_high", "dual_clip"):
         metrics[f"{name}_fraction"] = _masked_mean(flags.get(name, torch.zeros_like(mask)), loss_mask)

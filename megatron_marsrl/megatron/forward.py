@@ -5,6 +5,7 @@ schedule (1F1B when PP>1), so they work unchanged under any TP/PP/EP/DP layout.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -172,8 +173,8 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
             "update_applied": bool(applied)}
 
 
-def _reduce_metrics(out: list[dict], num_micro_batches: int) -> dict[str, float]:
-    """Mean of each metric over micro-batches and data-parallel ranks, on every rank."""
+def _reduce_metrics(out: list[dict], num_micro_batches: int, *, over_data_parallel: bool = True) -> dict[str, float]:
+    """Mean of each metric over micro-batches (and data-parallel ranks), on every rank."""
     from megatron.core import parallel_state as ps
 
     keys = sorted(out[0]) if out else []
@@ -188,8 +189,84 @@ def _reduce_metrics(out: list[dict], num_micro_batches: int) -> dict[str, float]
     else:
         values = torch.zeros(len(keys))
     values = values.to(_device())
-    if ps.get_data_parallel_world_size() > 1:
+    if over_data_parallel and ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(values, group=ps.get_data_parallel_group())
         values /= ps.get_data_parallel_world_size()
     values = _broadcast_from_last_stage([values], [values.shape])[0]
     return {k: float(v) for k, v in zip(keys, values)}
+
+
+def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy: bool = False) -> dict[str, float]:
+    """Forward and backward of one micro-batch; gradients accumulate in the DDP buffers and the
+    data-parallel reduction is *not* run (call :func:`finish_accumulation` once per step).
+
+    This is what lets the RL trainer train a group as soon as it is generated while other
+    groups are still being sampled: any number of these calls, in any order, then one sync.
+    ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch) -> (loss, metrics)``.
+    Returns the metrics (floats) on every rank.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def step(chunk, data):
+        tokens = data["tokens"]
+        inputs, labels = _shifted(tokens)
+        logits = chunk(inputs, _positions(inputs), None)
+
+        def loss_func(out):
+            scaled = _scaled_logits(model, out, data.get("temperature", 1.0))
+            entropy = vocab_parallel_entropy(scaled)[:, : tokens.shape[1] - 1] if with_entropy else None
+            logp = -vocab_parallel_cross_entropy(scaled.clone(), labels)[:, : tokens.shape[1] - 1]
+            loss, metrics = loss_fn(logp, entropy, data)
+            return loss, {"loss": loss.detach().clone(),
+                          **{k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}}
+
+        return logits, loss_func
+
+    config = _unwrap(model).config
+    finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+    try:
+        with model.no_sync():
+            out = _run_schedule(model, [{**batch, "tokens": batch["tokens"].to(_device())}], step, forward_only=False)
+    finally:
+        config.finalize_model_grads_func = finalize
+    return _reduce_metrics(out, 1, over_data_parallel=False)
+
+
+def finish_accumulation(model, optimizer, *, grad_scale: float = 1.0, max_grad_norm: float | None = None) -> dict:
+    """End of a step: the one gradient reduction (DP, expert-DP, SP layer norms, tied embeddings),
+    ``grad_scale`` applied to the reduced gradients, then the optimizer step unless the gradient
+    norm is not finite or above ``max_grad_norm`` (a spike), in which case nothing changes.
+
+    Returns ``grad_norm`` (before clipping) and ``update_applied``; collective over all ranks.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([model])
+    if grad_scale != 1.0:
+        model.scale_gradients(grad_scale)
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    skip = not math.isfinite(grad_norm) or (max_grad_norm is not None and grad_norm > max_grad_norm)
+    applied = False
+    if not skip:
+        applied, _, _ = optimizer.step()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    return {"grad_norm": grad_norm, "update_applied": bool(applied)}
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the full vocabulary from TP-sharded ``logits`` [.., v/TP]
+    (padding columns may be -inf). Differentiable: the entropy bonus trains through it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    finite = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, -1e30))
+    local_max = finite.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = finite - local_max
+    exp = torch.exp(shifted)
+    z = reduce_from_tensor_model_parallel_region(exp.sum(-1))
+    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(-1))
+    return torch.log(z) - weighted / z

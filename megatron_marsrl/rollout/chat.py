@@ -43,9 +43,11 @@ class EngineChatGenerator:
                              "(the tokenizer's EOS); train on the ids as generated")
         ids = self.prompt_ids(request.messages)
         max_new = min(s.max_tokens, self.max_new_tokens) if self.max_new_tokens else s.max_tokens
-        sampling = EngineSampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=max_new,
-                                  stop_token_ids=self._stop_ids)
-        outs = await asyncio.gather(*(self.pool.generate(EngineRequest(prompt_ids=ids, sampling=sampling, rid=f"c{i}"))
+        def sampling(i: int) -> EngineSampling:  # completion i of a seeded request gets seed + i
+            return EngineSampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=max_new,
+                                  stop_token_ids=self._stop_ids, seed=None if s.seed is None else s.seed + i)
+
+        outs = await asyncio.gather(*(self.pool.generate(EngineRequest(prompt_ids=ids, sampling=sampling(i), rid=f"c{i}"))
                                       for i in range(request.n)))
         prompt = self.tokenizer.decode(ids)
         return [self._completion(prompt, out) for out in outs]

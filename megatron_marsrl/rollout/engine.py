@@ -19,6 +19,9 @@ class EngineSampling:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after any of these (the model's EOS is always included)."""
+    seed: int | None = None
+    """Per-request sampling seed: the same request gives the same tokens whatever else runs
+    (embedded engine always; SGLang as far as its kernels are deterministic). None: engine RNG."""
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -79,8 +79,12 @@ class TransformersEngine:
             ids[row, width - len(req.prompt_ids):] = torch.tensor(req.prompt_ids)
             mask[row, width - len(req.prompt_ids):] = 1
         greedy = sampling.temperature == 0
+        # A seeded request (batches of one: the pool sends requests one by one) samples from its
+        # own generator, so its tokens do not depend on which requests ran before it.
+        seeded = len(requests) == 1 and sampling.seed is not None
+        generator = torch.Generator().manual_seed(sampling.seed & (2**63 - 1)) if seeded else self._generator
         with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self._generator.get_state())
+            torch.set_rng_state(generator.get_state())
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, do_sample=not greedy,
                 temperature=None if greedy else sampling.temperature,
@@ -88,7 +92,8 @@ class TransformersEngine:
                 top_k=None if greedy or sampling.top_k < 0 else sampling.top_k,
                 max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stops) or None,
                 pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-            self._generator.set_state(torch.get_rng_state())
+            if not seeded:
+                self._generator.set_state(torch.get_rng_state())
         new = out.sequences[:, width:]
         scale = 1.0 if greedy else sampling.temperature
         logp = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
@@ -150,4 +155,4 @@ class TransformersEngine:
 
 
 def _sampling_key(s: EngineSampling) -> tuple:
-    return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(sorted(s.stop_token_ids)))
+    return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(sorted(s.stop_token_ids)), s.seed)

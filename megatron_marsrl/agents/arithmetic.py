@@ -1,0 +1,123 @@
+"""The embedded CPU task: Solver, Verifier and Corrector on small integer arithmetic.
+
+It exists so the whole RL system (agentic pipeline, scheduler, Megatron, rollout engine,
+weight sync, checkpoints) can train for real on a 2-core machine in minutes and show
+rewards rising. Three things differ from the MarsRL math task, all for speed:
+  * a word-level tokenizer of ~40 tokens (digits one token each), so a tiny randomly
+    initialised Qwen3-MoE emits a digit or a verdict word from the first step;
+  * compact prompts ("solve: What is 3 + 4 ?", "check: ... = 7", "fix: ... = 8 no");
+  * lenient parsers: the answer is the leading run of digits, the verdict the first word
+    ("yes" = correct, "no" = wrong), so short outputs are scored without a format to learn.
+Rewards are the MarsRL agent rewards (answer match; verdict right about the judged answer).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from megatron_marsrl.agents.client import Message
+from megatron_marsrl.agents.parsing import ParsedOutput
+from megatron_marsrl.agents.roles import Role, RoleSet
+from megatron_marsrl.data_types import ParseStatus, Sample, Verdict
+from megatron_marsrl.rewards.math_match import answers_match
+
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+WORDS = ("solve", "check", "fix", ":", "What", "is", "Compute", "?", ".", "+", "-", "*", "=", "(", ")",
+         "yes", "no")
+VOCAB = SPECIAL + WORDS + tuple(str(d) for d in range(10))
+MODEL_VOCAB = 64
+"""Rows of the tiny model's embedding (>= len(VOCAB); a multiple of 8 for any TP up to 8)."""
+
+# Every message is its content followed by a space; generation starts right after "=" or ":".
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def build_tokenizer(out_dir: str | Path):
+    """Save the task's word-level tokenizer (HF format, chat template included) to `out_dir`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
+                                                  pre_tokenizers.Digits(individual_digits=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_model(out_dir: str | Path, *, seed: int = 0, overrides: dict | None = None) -> Path:
+    """A tiny random Qwen3-MoE plus the task tokenizer in `out_dir` (an HF checkpoint)."""
+    from megatron_marsrl.megatron.tiny import make_hf_checkpoint
+
+    eos = VOCAB.index("<eos>")
+    config = {"vocab_size": MODEL_VOCAB, "eos_token_id": eos, "pad_token_id": VOCAB.index("<pad>"),
+              "bos_token_id": None, "max_position_embeddings": 256, **(overrides or {})}
+    if config["vocab_size"] < len(VOCAB):
+        raise ValueError(f"tiny model vocab_size={config['vocab_size']} is smaller than the task "
+                         f"tokenizer ({len(VOCAB)} tokens)")
+    path = make_hf_checkpoint("qwen3_moe", out_dir, seed=seed, overrides=config)
+    build_tokenizer(path)
+    return path
+
+
+def _words(text: str) -> list[str]:
+    return text.replace("<eos>", " ").split()
+
+
+def parse_answer(text: str, finish_reason: str = "stop") -> ParsedOutput:
+    """Leading digits of the output ("1 2 +" -> "12"); the rest is ignored, and so is a cut-off
+    ending (outputs here are a few tokens; there is no reasoning to lose)."""
+    digits = []
+    for word in _words(text):
+        if not word.isdigit():
+            break
+        digits.append(word)
+    if not digits:
+        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_ANSWER
+        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+    value = "".join(digits)
+    return ParsedOutput(value=value, status=ParseStatus.OK, passed_on=value)
+
+
+def parse_verdict(text: str, finish_reason: str = "stop") -> ParsedOutput:
+    """First word: "yes" -> correct, "no" -> wrong; anything else has no verdict."""
+    words = _words(text)
+    first = words[0] if words else ""
+    verdict = {"yes": Verdict.CORRECT, "no": Verdict.WRONG}.get(first)
+    if verdict is None:
+        status = ParseStatus.EMPTY if not words else ParseStatus.NO_VERDICT
+        return ParsedOutput(value=None, status=status, passed_on=first)
+    return ParsedOutput(value=verdict.value, status=ParseStatus.OK, passed_on=first)
+
+
+def answer_reward(sample: Sample, reference_answer: str) -> float:
+    """1 when the parsed answer equals the reference."""
+    return 1.0 if sample.parsed is not None and answers_match(sample.parsed, reference_answer) else 0.0
+
+
+def verdict_reward(sample: Sample, reference_answer: str) -> float:
+    """1 when the verdict is right about the judged answer (`inputs["solution"]`)."""
+    if sample.parsed not in (Verdict.CORRECT.value, Verdict.WRONG.value):
+        return 0.0
+    judged = parse_answer(sample.inputs.get("solution", "")).value
+    is_correct = judged is not None and answers_match(judged, reference_answer)
+    return 1.0 if (sample.parsed == Verdict.CORRECT.value) == is_correct else 0.0
+
+
+def _prompt(template: str):
+    def build(inputs: Mapping[str, str]) -> list[Message]:
+        return [{"role": "user", "content": template.format(**inputs)}]
+    return build
+
+
+SOLVER = Role(name="solver", input_keys=("problem",), build_prompt=_prompt("solve : {problem} ="),
+              parse_output=parse_answer, reward=answer_reward)
+VERIFIER = Role(name="verifier", input_keys=("problem", "solution"),
+                build_prompt=_prompt("check : {problem} = {solution} :"), parse_output=parse_verdict,
+                reward=verdict_reward)
+CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
+                 build_prompt=_prompt("fix : {problem} = {solution} {report} ="), parse_output=parse_answer,
+                 reward=answer_reward)
+ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR)

@@ -1,0 +1,188 @@
+"""The full typed configuration of a training run.
+
+A run is one `TrainConfig`: a tree of per-component dataclasses (each owns its validation).
+Recipes (`megatron_marsrl.rl.recipes`) are functions returning a complete `TrainConfig`; the
+command line and YAML files only override fields (`megatron_marsrl.rl.overrides`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_marsrl.agents.rollout import RolloutConfig
+from megatron_marsrl.algorithms.advantages import AdvantageConfig
+from megatron_marsrl.algorithms.losses import PolicyLossConfig
+from megatron_marsrl.megatron.optim import OptimConfig
+from megatron_marsrl.megatron.parallel import ParallelConfig
+from megatron_marsrl.rl.scheduler import SchedulerConfig
+from megatron_marsrl.rollout.factory import RolloutEngineConfig
+
+PIPELINE_MODES = ("pipeline", "sync")
+POLICY_SHARING = ("shared", "per_role")
+ROLES = ("solver", "verifier", "corrector")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy's starting weights and tokenizer."""
+
+    path: str = ""
+    """Local HF checkpoint directory. "task" uses the task's own tiny model (built at start-up
+    under the run directory, see `TaskConfig`)."""
+    dtype: str = "auto"
+    """"auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Megatron's MoE load-balancing loss weight (MarsRL trains without one: 0)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"model.dtype={self.dtype!r}: use auto, float32 or bfloat16")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """What the agents work on: the roles, the data, and (for the embedded job) a tiny model."""
+
+    name: str = "math"
+    """"math": the MarsRL roles (megatron_marsrl.agents.roles) on a JSONL dataset;
+    "arithmetic": the embedded CPU task (compact roles, a word-level tokenizer and a tiny
+    Qwen3-MoE built for it, see megatron_marsrl.rl.tasks.arithmetic)."""
+    train: str = ""
+    """Training problems: a JSONL path or a generator spec such as "arithmetic:train?n=256"."""
+    eval: str = ""
+    """Held-out problems for periodic evaluation (same forms); "" disables evaluation."""
+    eval_size: int = 64
+    """At most this many held-out problems per evaluation."""
+    tiny_model: dict = field(default_factory=dict)
+    """Overrides of the tiny model's HF config when model.path == "task" (e.g. hidden_size)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("math", "arithmetic"):
+            raise ValueError(f"task.name={self.name!r}: use 'math' or 'arithmetic'")
+        if not self.train:
+            raise ValueError("task.train is empty: give a JSONL file or a generator spec like 'arithmetic:train'")
+        if self.eval_size < 1:
+            raise ValueError(f"task.eval_size={self.eval_size}: must be >= 1")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How rollouts and training interleave."""
+
+    mode: str = "pipeline"
+    """"pipeline": MarsRL agentic pipeline (each step advances every open trajectory by one
+    stage; new problems enter the Solver); "sync": whole trajectories, then train."""
+    problems_per_step: int = 8
+    """New problems entering the Solver stage per step."""
+    segment_tokens: int | None = None
+    """Segment rollout: generate at most this many tokens per step and continue unfinished
+    samples at the next step (their earlier tokens come from older weights: see
+    `segment_old_tokens`). None: generate whole outputs."""
+    segment_old_tokens: str = "mask"
+    """What training does with tokens a continued sample got from older weights: "mask" (no
+    gradient) or "tis" (trained, importance-corrected by the rollout log-probs)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in PIPELINE_MODES:
+            raise ValueError(f"pipeline.mode={self.mode!r}: use one of {PIPELINE_MODES}")
+        if self.problems_per_step < 1:
+            raise ValueError(f"pipeline.problems_per_step={self.problems_per_step}: must be >= 1")
+        if self.segment_tokens is not None and self.segment_tokens < 1:
+            raise ValueError(f"pipeline.segment_tokens={self.segment_tokens}: must be >= 1 or None")
+        if self.segment_old_tokens not in ("mask", "tis"):
+            raise ValueError(f"pipeline.segment_old_tokens={self.segment_old_tokens!r}: use 'mask' or 'tis'")
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """Which model each role uses."""
+
+    sharing: str = "shared"
+    """"shared": one policy for all roles (default); "per_role": a separate Megatron model,
+    optimizer and rollout engine per role."""
+    reference: bool = False
+    """Keep a frozen copy of the initial policy for the KL term (loss.kl_coef > 0 needs it)."""
+    max_grad_norm: float | None = None
+    """Skip the update (and log it) when the gradient norm is above this (a spike) or not
+    finite; None skips only non-finite norms."""
+
+    def __post_init__(self) -> None:
+        if self.sharing not in POLICY_SHARING:
+            raise ValueError(f"policy.sharing={self.sharing!r}: use one of {POLICY_SHARING}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"policy.max_grad_norm={self.max_grad_norm}: must be > 0 or None")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Length, outputs, logging and checkpoints of the run."""
+
+    steps: int = 100
+    """RL steps (one optimizer step per policy per RL step)."""
+    output_dir: str = "outputs/run"
+    """Run directory: checkpoints/, tensorboard/, resolved config.json, eval results."""
+    seed: int = 1234
+    """Seeds model init order, data order, input selection and sampling."""
+    checkpoint_every: int = 10
+    """Save every N steps (and at exit on SIGTERM/SIGINT); 0: only at exit."""
+    keep_checkpoints: int = 2
+    """Newest complete checkpoints kept; older ones are deleted after a successful save."""
+    eval_every: int = 0
+    """Evaluate on task.eval every N steps (and before the first step); 0: never."""
+    sync_probe: bool = True
+    """After each weight sync, check on a few tokens that the engine matches Megatron."""
+    progress: bool = True
+    """Console progress bar with the key figures."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 1")
+        for name in ("checkpoint_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"run.{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a training run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    """Length, outputs, checkpoints, logging."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Starting weights."""
+    task: TaskConfig
+    """Roles and data."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron layout of each policy (world size = number of launched ranks)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer of each policy."""
+    engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
+    """Rollout engines (per policy when policy.sharing == "per_role")."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Group size G, inputs per stage k, max stages S, selection, sampling."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Agentic pipeline or synchronous mode."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Micro-batch packing and overlap with generation."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Shared or per-role policies, reference model, update guards."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantage estimator."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss terms."""
+
+    def __post_init__(self) -> None:
+        if self.loss.kl_coef > 0 and not self.policy.reference:
+            raise ValueError("loss.kl_coef > 0 needs a reference model: set policy.reference=true")
+        if self.loss.tis is None and self.pipeline.segment_tokens and self.pipeline.segment_old_tokens == "tis":
+            raise ValueError("pipeline.segment_old_tokens='tis' needs loss.tis (set loss.tis={} for the defaults)")
+
+    def policy_names(self) -> tuple[str, ...]:
+        """The models trained: ("shared",) or one per role."""
+        return ("shared",) if self.policy.sharing == "shared" else ROLES
+
+    def policy_of(self, role: str) -> str:
+        """Which policy trains (and generates for) `role`."""
+        return "shared" if self.policy.sharing == "shared" else role
