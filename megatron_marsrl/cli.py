@@ -5,7 +5,8 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``marsrl --help`` stays fast and needs neither Megatron nor SGLang.
 
     marsrl --help
-    marsrl selfcheck                 # the embedded CPU main job (HF <-> Megatron round trip for now)
+    marsrl train --recipe tiny_arithmetic   # the embedded CPU main job: RL on 2 CPU ranks
+    marsrl selfcheck                 # HF <-> Megatron round trip with logit parity (TP2/EP2/PP2)
     marsrl convert hf-to-mcore ...   # also tools/convert_hf_to_mcore.py
     marsrl bench convert ...         # conversion/export throughput
     marsrl solve / marsrl eval       # the Solver-Verifier-Corrector system on a dataset
@@ -20,12 +21,14 @@ from megatron_marsrl import __version__
 
 # name -> (module, one-line help). Nested groups use "group name".
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "selfcheck": ("megatron_marsrl.commands.selfcheck", "embedded CPU main job: tiny Qwen3-MoE HF -> Megatron (TP2/EP2/PP2) -> HF round trip with logit parity"),
+    "selfcheck": ("megatron_marsrl.commands.selfcheck", "tiny Qwen3-MoE HF -> Megatron (TP2/EP2/PP2) -> HF round trip with logit parity"),
     "convert hf-to-mcore": ("megatron_marsrl.commands.convert_hf_to_mcore", "convert a HF safetensors checkpoint to a Megatron torch_dist checkpoint"),
     "convert mcore-to-hf": ("megatron_marsrl.commands.convert_mcore_to_hf", "convert a Megatron torch_dist checkpoint back to HF safetensors"),
     "bench convert": ("megatron_marsrl.commands.bench_convert", "HF load / export throughput (GB/s) versus a raw safetensors read"),
     "bench weight-sync": ("megatron_marsrl.commands.bench_weight_sync", "Megatron -> engine weight sync (GB/s) versus an in-memory copy"),
     "bench rollout": ("megatron_marsrl.commands.bench_rollout", "generated tokens/s of the embedded and SGLang engines, side by side"),
+    "train": ("megatron_marsrl.commands.train", "RL training of the Solver-Verifier-Corrector system (a recipe + key=value overrides)"),
+    "bench pipeline": ("megatron_marsrl.commands.bench_pipeline", "agentic pipeline + overlapping scheduler vs synchronous RL steps (real run, or --simulate at cluster scale)"),
     "solve": ("megatron_marsrl.agents.solve_cli", "run the Solver-Verifier-Corrector loop on a problem or a JSONL file"),
     "eval": ("megatron_marsrl.agents.eval_cli", "avg@k / pass@k of solver-only and the whole system on a JSONL dataset"),
 }

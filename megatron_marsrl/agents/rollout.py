@@ -165,9 +165,6 @@ class GroupedRollout:
         self.salt = ""
         """Mixed into group ids and sampling seeds (the trainer sets the step), so a resumed run
         samples exactly what an uninterrupted one would."""
-        self.on_group: Callable[[Group], None] | None = None
-        """Called with each group as soon as it is generated and rewarded (the trainer's
-        micro-batch scheduler starts training it while other groups are still sampling)."""
 
     async def stage(self, problem: Problem, turn: int, inputs: Sequence[Sample] = ()) -> list[Group]:
         """One async step: a group of G for each input (the Solver: one group, no input)."""
@@ -199,9 +196,17 @@ class GroupedRollout:
             pending = self.next_stage(problem, pending.turn, groups)
         return out
 
-    async def rollout(self, problems: Sequence[Problem]) -> list[Group]:
-        """Whole trajectories of all `problems`, concurrently."""
-        per_problem = await asyncio.gather(*(self.trajectory(p) for p in problems))
+    async def rollout(self, problems: Sequence[Problem],
+                      on_done: Callable[[list[Group]], None] | None = None) -> list[Group]:
+        """Whole trajectories of all `problems`, concurrently. `on_done` gets each problem's
+        groups as soon as its trajectory ends (the trainer starts training them then)."""
+        async def one(problem: Problem) -> list[Group]:
+            groups = await self.trajectory(problem)
+            if on_done is not None:
+                on_done(groups)
+            return groups
+
+        per_problem = await asyncio.gather(*(one(p) for p in problems))
         return [g for groups in per_problem for g in groups]
 
     async def _group(self, problem: Problem, turn: int, parent: Sample | None) -> Group:
@@ -220,8 +225,6 @@ class GroupedRollout:
             sample = _sample(out, f"{group_id}/{i}", group, parent, inputs)
             sample.reward = float(reward(sample, problem.answer))
             group.samples.append(sample)
-        if self.on_group is not None:
-            self.on_group(group)
         return group
 
 
@@ -243,7 +246,10 @@ def _sample(out: RoleOutput, sample_id: str, group: Group, parent: Sample | None
                   prompt=c.prompt or render_plain(out.messages), prompt_token_ids=c.prompt_token_ids,
                   response=c.text, response_token_ids=c.token_ids, rollout_logprobs=c.logprobs,
                   finish_reason=c.finish_reason, parse_status=out.parsed.status, parsed=out.parsed.value,
-                  passed_on=out.parsed.passed_on)
+                  passed_on=out.parsed.passed_on,
+                  # The parent's reward says whether this sample's input was right (a verifier's
+                  # solution, or a corrector's report): the statistics need it.
+                  metadata={"parent_reward": parent.reward} if parent is not None else {})
 
 
 class PipelinedRollout:
@@ -259,9 +265,19 @@ class PipelinedRollout:
         self.rollout = rollout
         self.pending: list[PendingStage] = []
 
-    async def step(self, new_problems: Sequence[Problem]) -> list[Group]:
+    async def step(self, new_problems: Sequence[Problem],
+                   on_done: Callable[[list[Group]], None] | None = None) -> list[Group]:
+        """One stage of every open trajectory; `on_done` gets the groups of each (problem,
+        stage) as soon as they are generated and rewarded, while the others still run."""
         work = [PendingStage(problem=p, turn=0, inputs=[]) for p in new_problems] + self.pending
-        results = await asyncio.gather(*(self.rollout.stage(w.problem, w.turn, w.inputs) for w in work))
+
+        async def one(w: PendingStage) -> list[Group]:
+            groups = await self.rollout.stage(w.problem, w.turn, w.inputs)
+            if on_done is not None:
+                on_done(groups)
+            return groups
+
+        results = await asyncio.gather(*(one(w) for w in work))
         self.pending = []
         for w, groups in zip(work, results):
             nxt = self.rollout.next_stage(w.problem, w.turn, groups)

@@ -84,6 +84,11 @@ class PolicyActor:
                 p.requires_grad_(False)
         self.micro_batches = 0
 
+    @property
+    def module(self):
+        """The GPTModel without the DDP wrapper (HF export and weight sync name its parameters)."""
+        return self.model.module
+
     def train_micro_batch(self, batch: dict, loss_fn: LossFn, *, with_entropy: bool) -> dict[str, float]:
         """Forward + backward of one micro-batch (no gradient sync); metrics on every rank."""
         self.model.train()

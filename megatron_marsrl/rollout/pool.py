@@ -134,6 +134,14 @@ class EnginePool:
         self.version = version
         return applied
 
+    def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of tokens[1:] from the first usable engine (the weight-sync probe)."""
+        usable = [s for s in self._slots if self._usable(s)]
+        if not usable:
+            raise RequestFailedError("no usable engine to score the probe")
+        with usable[0].lock:
+            return usable[0].engine.score(sequences, temperature=temperature)
+
     def shutdown(self) -> None:
         for slot in self._slots:
             slot.engine.shutdown()

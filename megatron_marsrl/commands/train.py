@@ -1,0 +1,90 @@
+"""marsrl train: run an RL recipe (see megatron_marsrl.rl.loop for the loop itself).
+
+    marsrl train --recipe tiny_arithmetic                      # launches its 2 CPU ranks itself
+    marsrl train --recipe tiny_arithmetic run.steps=10 engine.kind=sglang
+    marsrl train --recipe tiny_arithmetic --resume             # continue from the last checkpoint
+    torchrun --nproc-per-node 8 -m megatron_marsrl.cli train --recipe my.pkg:recipe
+
+Without torchrun's environment, the command re-executes itself under torchrun with as many
+local ranks as the layout needs (or --nproc-per-node).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--recipe", required=True, help="built-in recipe name (tiny_arithmetic) or 'pkg.module:fn'")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. run.steps=10 optim.lr=1e-5 parallel.tp=2 loss.tis={}")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
+                        help="YAML file of overrides (nested mapping); applied before KEY=VALUE pairs")
+    parser.add_argument("--engine", choices=("hf", "sglang", "sglang_server"), default=None,
+                        help="shortcut for engine.kind")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks to launch when not under torchrun (default: the layout's minimum)")
+
+
+def resolve_config(args):
+    from megatron_marsrl.rl.overrides import apply_overrides, apply_yaml
+    from megatron_marsrl.rl.recipes import get_recipe
+
+    config = get_recipe(args.recipe)
+    for path in args.config:
+        config = apply_yaml(config, path)
+    overrides = list(args.overrides) + ([f"engine.kind={args.engine}"] if args.engine else [])
+    return apply_overrides(config, overrides)
+
+
+def run(args) -> int:
+    from megatron_marsrl.commands._common import guarded
+
+    return guarded(lambda: _train(args))
+
+
+def _train(args) -> int:
+    from megatron_marsrl.rl.overrides import config_to_dict
+
+    config = resolve_config(args)
+    if args.print_config:
+        print(json.dumps(config_to_dict(config), indent=2))
+        return 0
+    if "WORLD_SIZE" not in os.environ:
+        return _relaunch(args, config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from megatron_marsrl.rl.loop import train
+
+    result = train(config, resume=args.resume)
+    if int(os.environ.get("RANK", 0)) == 0:
+        _save_config(config)
+        print(json.dumps({k: v for k, v in result.items() if k != "metrics"}), flush=True)
+        print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}",
+              flush=True)
+    return 0
+
+
+def _save_config(config) -> None:
+    from pathlib import Path
+
+    from megatron_marsrl.rl.overrides import config_to_dict
+
+    path = Path(config.run.output_dir) / "config.json"
+    path.write_text(json.dumps(config_to_dict(config), indent=2))
+
+
+def _relaunch(args, config) -> int:
+    """exec torchrun with the layout's ranks (signals then reach torchrun and the ranks directly)."""
+    from megatron_marsrl.megatron.convert import min_world_size
+
+    nproc = args.nproc_per_node or min_world_size(config.parallel)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "megatron_marsrl.cli", *sys.argv[1:]]
+    print(f"[marsrl train] launching {nproc} rank(s): {' '.join(argv[1:])}", flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+    return 1  # not reached

@@ -1,0 +1,46 @@
+"""TensorBoard scalars, a JSONL metrics log and the console progress bar (rank 0 only)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+KEY_FIGURES = {"rollout/solver/reward_mean": "solver", "rollout/verifier/reward_mean": "verifier",
+               "rollout/corrector/reward_mean": "corrector", "time/step": "s/step"}
+
+
+class Observer:
+    """Writes every finite scalar of a step to TensorBoard (run_dir/tensorboard) and to
+    run_dir/metrics.jsonl, and shows the key figures on a progress bar."""
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, progress: bool):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(run_dir) / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.dir))
+        self.jsonl = (Path(run_dir) / "metrics.jsonl").open("a")
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="marsrl train", unit="step",
+                            dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+        if self.bar is not None and not any(k.startswith("eval/") for k in scalars):
+            self.bar.set_postfix({short: f"{scalars[k]:.3g}" for k, short in KEY_FIGURES.items() if k in scalars},
+                                 refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.writer.close()
+        self.jsonl.close()

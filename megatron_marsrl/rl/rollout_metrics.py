@@ -1,0 +1,70 @@
+"""Per-role statistics of one step's samples (pure Python; logged to TensorBoard).
+
+    {role}/reward_mean, {role}/accuracy (reward >= 0.5), {role}/response_len, {role}/samples,
+    {role}/advantage_mean, {role}/advantage_std, {role}/advantage_abs_mean, {role}/parse_fail
+    verifier/precision, verifier/recall   flagging wrong solutions ("no" on a wrong one)
+    corrector/fix_rate                    wrong input solution -> right answer
+
+A sample's input correctness comes from its parent's reward (`metadata["parent_reward"]`):
+a verifier's parent is the judged solution (reward 1 = right); a corrector's parent is the
+review that said "wrong" (reward 1 = the solution really was wrong).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from megatron_marsrl.data_types import Sample, Verdict
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def role_metrics(samples: Sequence[Sample], advantages: dict[str, float] | None = None) -> dict[str, float]:
+    """Statistics per role; `advantages` maps sample_id -> advantage."""
+    by_role: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_role[s.role].append(s)
+    out: dict[str, float] = {}
+    for role, group in sorted(by_role.items()):
+        rewards = [float(s.reward or 0.0) for s in group]
+        out[f"{role}/samples"] = len(group)
+        out[f"{role}/reward_mean"] = _mean(rewards)
+        out[f"{role}/accuracy"] = _mean([1.0 if r >= 0.5 else 0.0 for r in rewards])
+        out[f"{role}/response_len"] = _mean([len(s.response_token_ids or []) for s in group])
+        out[f"{role}/parse_fail"] = _mean([1.0 if s.parse_status.is_failure else 0.0 for s in group])
+        if advantages:
+            adv = [advantages[s.sample_id] for s in group if s.sample_id in advantages]
+            if adv:
+                mean = _mean(adv)
+                out[f"{role}/advantage_mean"] = mean
+                out[f"{role}/advantage_std"] = math.sqrt(_mean([(a - mean) ** 2 for a in adv]))
+                out[f"{role}/advantage_abs_mean"] = _mean([abs(a) for a in adv])
+    out.update(_verifier(by_role.get("verifier", [])))
+    out.update(_corrector(by_role.get("corrector", [])))
+    return out
+
+
+def _verifier(samples: Sequence[Sample]) -> dict[str, float]:
+    tp = fp = fn = 0
+    for s in samples:
+        parent = s.metadata.get("parent_reward")
+        if parent is None or s.parsed is None:
+            continue
+        solution_wrong, flagged = parent < 0.5, s.parsed == Verdict.WRONG.value
+        tp += flagged and solution_wrong
+        fp += flagged and not solution_wrong
+        fn += (not flagged) and solution_wrong
+    out = {}
+    if tp + fp:
+        out["verifier/precision"] = tp / (tp + fp)
+    if tp + fn:
+        out["verifier/recall"] = tp / (tp + fn)
+    return out
+
+
+def _corrector(samples: Sequence[Sample]) -> dict[str, float]:
+    fixed = [float(s.reward or 0.0) >= 0.5 for s in samples if (s.metadata.get("parent_reward") or 0.0) >= 0.5]
+    return {"corrector/fix_rate": _mean(fixed)} if fixed else {}

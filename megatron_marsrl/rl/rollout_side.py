@@ -1,0 +1,108 @@
+"""Rank 0's rollout side of a run: engines, the agents and their data, evaluation.
+
+Everything here is on the agents' side of the boundary (no Megatron import): the trainer
+gets finished groups from `driver`, and pushes weights into `pools`.
+"""
+from __future__ import annotations
+
+import logging
+
+from megatron_marsrl.agents.parsing import ParseCounter
+from megatron_marsrl.agents.rollout import GroupedRollout
+from megatron_marsrl.data_types import Sample
+from megatron_marsrl.rl.config import ROLES, TrainConfig
+from megatron_marsrl.rl.data import ProblemStream, dataset_from_spec
+from megatron_marsrl.rl.rollout_driver import RolloutDriver
+from megatron_marsrl.rl.rollout_metrics import role_metrics
+
+log = logging.getLogger(__name__)
+
+
+def role_set(task: str):
+    """The agents of a task."""
+    if task == "arithmetic":
+        from megatron_marsrl.agents.arithmetic import ROLES as ARITHMETIC_ROLES
+
+        return ARITHMETIC_ROLES
+    from megatron_marsrl.agents.roles import RoleSet
+
+    return RoleSet()
+
+
+class RolloutSide:
+    """Engines (one pool per policy), agents, problems and the background driver."""
+
+    def __init__(self, config: TrainConfig, hf_dir: str):
+        from megatron_marsrl.rollout.chat import EngineChatGenerator, load_tokenizer
+        from megatron_marsrl.rollout.factory import start_engines
+
+        self.config = config
+        self.version = 0
+        self.tokenizer = load_tokenizer(hf_dir)
+        self.pools = {}
+        try:
+            for name in config.policy_names():
+                self.pools[name] = start_engines(config.engine, hf_dir)
+        except BaseException:
+            self.close()
+            raise
+        generators = {role: EngineChatGenerator(self.pools[config.policy_of(role)], self.tokenizer)
+                      for role in ROLES}
+        self.roles = role_set(config.task.name)
+        self.counter = ParseCounter()
+        self.grouped = GroupedRollout(roles=self.roles, generators=generators, config=config.rollout,
+                                      counter=self.counter)
+        self.driver = RolloutDriver(self.grouped, mode=config.pipeline.mode)
+        train = dataset_from_spec(config.task.train)
+        self.stream = ProblemStream(train, problems_per_step=min(config.pipeline.problems_per_step, len(train)),
+                                    seed=config.run.seed)
+        self.eval_problems = dataset_from_spec(config.task.eval)[: config.task.eval_size] if config.task.eval else []
+        self._snapshot = self.state_dict()
+
+    def start_step(self, step: int) -> None:
+        """Take the step's problems and start generating (the state before is kept so that a
+        step that fails can be redone after a resume)."""
+        self._snapshot = self.state_dict()
+        self.driver.start_step(step, self.stream.next_step())
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Per-role rewards on the held-out problems (whole trajectories, nothing trained)."""
+        if not self.eval_problems:
+            return {}
+        grouped = GroupedRollout(roles=self.roles, generators=self.grouped.generators, config=self.config.rollout)
+        grouped.salt = f"eval{step}."
+        groups = self.driver.run_eval(grouped.rollout(self.eval_problems))
+        samples: list[Sample] = [s for g in groups for s in g.samples]
+        return {f"eval/{k}": v for k, v in role_metrics(samples).items() if not k.endswith("/samples")}
+
+    def probe_sequences(self, samples: list[Sample], per_policy: int = 2) -> dict[str, list[list[int]]]:
+        """A few generated sequences per policy for the post-sync check."""
+        out: dict[str, list[list[int]]] = {}
+        for s in samples:
+            seqs = out.setdefault(self.config.policy_of(s.role), [])
+            if len(seqs) < per_policy and s.response_token_ids:
+                seqs.append(list(s.prompt_token_ids or []) + list(s.response_token_ids))
+        return out
+
+    def state_dict(self, *, step_start: bool = False) -> dict:
+        """What a resumed run needs from this side: now (at a step boundary), or as of the start
+        of the running step (`step_start`: to redo a step that failed)."""
+        if step_start:
+            return self._snapshot
+        return {"data": self.stream.state_dict(), "driver": self.driver.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["data"])
+        self.driver.load_state_dict(state["driver"])
+
+    def close(self) -> None:
+        if getattr(self, "driver", None) is not None:
+            self.driver.close()
+        for pool in self.pools.values():
+            pool.shutdown()
+
+
+def sample_metrics(samples: list[Sample], advantages: dict[str, float]) -> dict[str, float]:
+    """Rollout statistics of a step under "rollout/"."""
+    return {f"rollout/{k}": v for k, v in role_metrics(samples, advantages).items()}
+

@@ -1,0 +1,406 @@
+"""Projected RL step time at cluster scale: synchronous rollouts versus the MarsRL agentic
+pipeline with the overlapping micro-batch scheduler (a discrete-event model, no GPU needed).
+
+    from megatron_marsrl.rl.simulate import SimConfig, simulate
+    print(simulate(SimConfig()).speedup)          # also: marsrl bench pipeline --simulate
+
+Modes, each simulated for `steps` RL steps (the first `warmup_steps` fill the pipeline and are
+not measured):
+  sync              each step takes `problems_per_step` new problems through their whole
+                    trajectory, Solver -> Verifier -> Corrector -> Verifier ... (at most
+                    `max_stages`); a stage starts when every sample of the stage before it is
+                    done (input selection needs the whole stage); then everything trains.
+  pipeline          MarsRL agentic pipeline: a step runs ONE stage of every open trajectory
+                    (new problems enter the Solver, last step's outputs feed the next stage),
+                    outputs longer than `segment_tokens` continue at the next step; training
+                    starts when the step's rollout is done.
+  pipeline+overlap  the same, with training rounds released by `MicroBatchScheduler` as soon as
+                    completed groups fill them, overlapping the remaining generation.
+Every mode ends its step with the optimizer step and the weight sync (`weight_sync_s`).
+
+Model, every assumption a `SimConfig` field:
+  * Output lengths: lognormal with shape `length_sigma`, clipped at `max_tokens` (clipped =
+    truncated outputs), its location solved so the clipped mean is `mean_tokens`.
+  * Rollout: engines of `gpus_per_engine` GPUs, each decoding up to `engine_concurrency`
+    sequences at `decode_tokens_per_s` tokens/s each; requests wait FIFO for a free slot.
+    Prefill time and KV-cache pressure below the concurrency cap are ignored.
+  * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
+    scheduler in lockstep; a round lasts its largest micro-batch's tokens / the replica's
+    rate (linear in tokens: the long-context attention cost is folded into the rate).
+  * Placement: `rollout_gpus` GPUs host engines and the others train, concurrently; None
+    colocates both on every GPU, time-shared, so training cannot overlap generation there
+    and pipeline+overlap equals pipeline.
+  * A trajectory continues after a Verifier stage with probability `continue_fraction` (the
+    Corrector only gets verifier outputs that flagged an error).
+  * Segment rollout applies to the pipeline modes; samples of a segmented output count under
+    the version of the step they finish in (older segments are off-policy: masked or
+    importance-corrected by the trainer), matching the scheduler's one-version rule.
+Deterministic for a given `seed`. Pure Python (stdlib random), no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from megatron_marsrl.rl.scheduler import MicroBatchScheduler, SchedulerConfig, SeqItem
+
+MODES = ("sync", "pipeline", "pipeline+overlap")
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """A cluster, a model's speeds and a MarsRL recipe. Defaults: 64 x H100 training
+    Qwen3-30B-A3B-Thinking with the MarsRL recipe (sources in each field's note)."""
+
+    seed: int = 0
+    """Seeds output lengths and trajectory continuation."""
+    steps: int = 16
+    """RL steps simulated per mode."""
+    warmup_steps: int = 6
+    """Leading steps not measured (the pipeline fills up over max_stages steps and more with
+    segments)."""
+    problems_per_step: int = 128
+    """New problems per step (MarsRL: 128 prompts x 8 responses per step)."""
+    group_size: int = 8
+    """Samples per same-input group, G (MarsRL: 8)."""
+    inputs_per_stage: int = 2
+    """Outputs of a stage that become inputs of the next, k (MarsRL: 2); each is a group."""
+    max_stages: int = 5
+    """Agent stages per trajectory, S (MarsRL training: Solver, V1, C1, V2, C2)."""
+    continue_fraction: float = 0.8
+    """Share of trajectories going on after a Verifier stage (some verifier output flagged an
+    error). Our assumption; MarsRL gives no figure."""
+    mean_tokens: int = 20000
+    """Mean output length in tokens (MarsRL-like long reasoning; our estimate)."""
+    max_tokens: int = 65536
+    """Output cap (MarsRL samples up to 64k new tokens)."""
+    length_sigma: float = 1.0
+    """Lognormal shape; 1.0 with the defaults truncates about 6% of outputs at max_tokens;
+    0 gives every output exactly mean_tokens."""
+    prompt_tokens: int = 2048
+    """Prompt tokens per sample, trained with the response (verifier/corrector inputs carry a
+    solution and a report, the Solver's far less; an average)."""
+    segment_tokens: int | None = 16384
+    """Segment rollout in the pipeline modes: at most this many tokens per output and step
+    (MarsRL: 64k = 4 x 16k); None generates whole outputs."""
+    num_gpus: int = 64
+    """GPUs in the cluster (8 nodes of 8 x H100)."""
+    rollout_gpus: int | None = 40
+    """GPUs hosting rollout engines; the others train. None: colocated, every GPU does both,
+    time-shared. 40/24 roughly balances rollout and training work with the defaults."""
+    gpus_per_engine: int = 4
+    """GPUs per SGLang engine (Qwen3-30B-A3B bf16 weights, ~61 GB, plus KV cache)."""
+    engine_concurrency: int = 128
+    """Sequences one engine decodes at once (~2M tokens of KV cache per 4 x H100 engine at
+    96 KiB per token, over ~15k tokens of average context)."""
+    decode_tokens_per_s: float = 50.0
+    """Decode speed of one sequence at full concurrency (3B active parameters; memory-bound
+    steps of ~20 ms reading weights and long KV caches): ~1600 tokens/s per GPU."""
+    train_gpus_per_replica: int = 8
+    """GPUs per data-parallel training replica (EP=8 inside a node)."""
+    train_tokens_per_s_per_gpu: float = 4000.0
+    """Training throughput: ~6e10 FLOP per token (forward+backward of 3.3B active parameters,
+    causal attention at ~20k context, plus the log-prob forward) at ~250 TFLOP/s per H100."""
+    token_budget: int = 65536
+    """Scheduler micro-batch budget in tokens (one max-length output)."""
+    weight_sync_s: float = 20.0
+    """Optimizer step plus weight sync to the engines, per step (our estimate)."""
+    separate_policies: bool = False
+    """One policy per role (rounds of one policy each) instead of one shared model."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "problems_per_step", "group_size", "inputs_per_stage", "max_stages", "mean_tokens",
+                     "max_tokens", "num_gpus", "gpus_per_engine", "engine_concurrency", "train_gpus_per_replica",
+                     "token_budget"):
+            _positive_int(name, getattr(self, name))
+        for name in ("decode_tokens_per_s", "train_tokens_per_s_per_gpu"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0 and < steps={self.steps}")
+        if not 0.0 <= self.continue_fraction <= 1.0:
+            raise ValueError(f"continue_fraction={self.continue_fraction}: must be within [0, 1]")
+        if self.prompt_tokens < 0 or self.weight_sync_s < 0:
+            raise ValueError("prompt_tokens and weight_sync_s must be >= 0")
+        if self.segment_tokens is not None:
+            _positive_int("segment_tokens", self.segment_tokens)
+        self.length_model()  # validates the length distribution
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        gen, train = self.generation_gpus, self.training_gpus
+        if self.rollout_gpus is not None and not 0 < self.rollout_gpus < self.num_gpus:
+            raise ValueError(f"rollout_gpus={self.rollout_gpus}: must be between 1 and num_gpus-1={self.num_gpus - 1} "
+                             f"(None colocates rollout and training)")
+        if gen % self.gpus_per_engine:
+            raise ValueError(f"{gen} rollout GPUs are not a multiple of gpus_per_engine={self.gpus_per_engine}")
+        if train % self.train_gpus_per_replica:
+            raise ValueError(f"{train} training GPUs are not a multiple of "
+                             f"train_gpus_per_replica={self.train_gpus_per_replica}")
+
+    @property
+    def colocated(self) -> bool:
+        return self.rollout_gpus is None
+
+    @property
+    def generation_gpus(self) -> int:
+        return self.num_gpus if self.colocated else self.rollout_gpus
+
+    @property
+    def training_gpus(self) -> int:
+        return self.num_gpus if self.colocated else self.num_gpus - self.rollout_gpus
+
+    @property
+    def rollout_slots(self) -> int:
+        """Sequences the whole rollout decodes at once."""
+        return self.generation_gpus // self.gpus_per_engine * self.engine_concurrency
+
+    @property
+    def dp_size(self) -> int:
+        return self.training_gpus // self.train_gpus_per_replica
+
+    def length_model(self) -> LengthModel:
+        return LengthModel(mean_tokens=self.mean_tokens, max_tokens=self.max_tokens, sigma=self.length_sigma)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthModel:
+    """Output lengths: lognormal(mu, sigma) rounded and clipped to [1, max_tokens], mu solved
+    so that the clipped mean is mean_tokens."""
+
+    mean_tokens: float
+    """Target mean of the clipped lengths."""
+    max_tokens: int
+    """Clip (the generation limit)."""
+    sigma: float
+    """Lognormal shape; 0: every length is mean_tokens."""
+    mu: float = field(init=False)
+    """Location, solved in __post_init__."""
+
+    def __post_init__(self) -> None:
+        if self.sigma < 0:
+            raise ValueError(f"length_sigma={self.sigma}: must be >= 0")
+        if not 1 <= self.mean_tokens <= self.max_tokens or (self.sigma > 0 and self.mean_tokens >= self.max_tokens):
+            raise ValueError(f"mean_tokens={self.mean_tokens} must be below max_tokens={self.max_tokens} "
+                             f"(equal only with length_sigma=0)")
+        object.__setattr__(self, "mu", self._solve_mu())
+
+    def clipped_mean(self, mu: float) -> float:
+        s, log_cap = self.sigma, math.log(self.max_tokens)
+        below = math.exp(mu + s * s / 2) * _phi((log_cap - mu - s * s) / s)
+        return below + self.max_tokens * (1.0 - _phi((log_cap - mu) / s))
+
+    def _solve_mu(self) -> float:
+        if self.sigma == 0:
+            return math.log(self.mean_tokens)
+        lo, hi = math.log(self.mean_tokens) - 10 * self.sigma * self.sigma - 10, math.log(self.max_tokens) + 10
+        for _ in range(200):  # the clipped mean grows with mu
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.clipped_mean(mid) < self.mean_tokens else (lo, mid)
+        return (lo + hi) / 2
+
+    def truncated_fraction(self) -> float:
+        """Share of outputs that hit max_tokens."""
+        if self.sigma == 0:
+            return float(self.mean_tokens >= self.max_tokens)
+        return 1.0 - _phi((math.log(self.max_tokens) - self.mu) / self.sigma)
+
+    def sample(self, rng: random.Random) -> int:
+        return min(self.max_tokens, max(1, round(rng.lognormvariate(self.mu, self.sigma))))
+
+
+@dataclass(kw_only=True)
+class ModeResult:
+    """Measured figures of one mode over the steps after warm-up."""
+
+    mode: str
+    """"sync", "pipeline" or "pipeline+overlap"."""
+    step_s: list[float]
+    """Every measured step's time in seconds."""
+    median_step_s: float
+    """Median step time."""
+    median_rollout_s: float
+    """Median time until the step's last sample is generated."""
+    samples_per_s: float
+    """Trained samples per second (all measured samples / all measured time)."""
+    tokens_per_step: float
+    """Mean trained tokens (prompt + response) per step."""
+    train_idle_fraction: float
+    """Share of training GPU-time not training (waiting for data, lockstep, weight sync)."""
+    rollout_idle_fraction: float
+    """Share of rollout slot-time not decoding (tails, training phases, weight sync)."""
+    overlapped_rounds_fraction: float
+    """Share of training rounds released while the rollout still ran."""
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """Every mode's figures and the projected speed-ups."""
+
+    config: SimConfig
+    """The simulated configuration."""
+    modes: dict[str, ModeResult]
+    """Figures per mode, in MODES order."""
+
+    @property
+    def speedup(self) -> dict[str, float]:
+        """Sync median step time / each mode's median step time."""
+        base = self.modes["sync"].median_step_s
+        return {name: base / row.median_step_s for name, row in self.modes.items()}
+
+    def to_dict(self) -> dict:
+        lengths = self.config.length_model()
+        return {"config": dataclasses.asdict(self.config),
+                "derived": {"rollout_slots": self.config.rollout_slots, "dp_size": self.config.dp_size,
+                            "length_mu": lengths.mu, "truncated_fraction": lengths.truncated_fraction()},
+                "modes": {name: dataclasses.asdict(row) for name, row in self.modes.items()},
+                "speedup": self.speedup}
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Run every mode for config.steps steps; deterministic for config.seed."""
+    return SimResult(config=config, modes={mode: _simulate_mode(config, mode) for mode in MODES})
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+@dataclass(eq=False, kw_only=True)
+class _Trajectory:
+    """One problem's trajectory; `left` holds the tokens its current stage still generates."""
+
+    tid: int
+    stage: int = -1
+    lengths: list[list[int]] = field(default_factory=list)
+    left: list[list[int]] = field(default_factory=list)
+    groups_left: int = 0
+
+    def advance(self, cfg: SimConfig, lengths: LengthModel, rng: random.Random) -> bool:
+        """Draw the next stage's groups; False when the trajectory ends."""
+        nxt = self.stage + 1
+        if nxt >= cfg.max_stages or (self.stage % 2 == 1 and rng.random() >= cfg.continue_fraction):
+            return False
+        n_groups = 1 if nxt == 0 else cfg.inputs_per_stage
+        self.stage = nxt
+        self.lengths = [[lengths.sample(rng) for _ in range(cfg.group_size)] for _ in range(n_groups)]
+        self.left = [list(g) for g in self.lengths]
+        self.groups_left = n_groups
+        return True
+
+    def role(self) -> str:
+        return "solver" if self.stage == 0 else ("verifier" if self.stage % 2 else "corrector")
+
+    def items(self, cfg: SimConfig, g: int, version: int) -> list[SeqItem]:
+        policy = self.role() if cfg.separate_policies else "shared"
+        gid = f"{self.tid}/{self.stage}/{g}"
+        return [SeqItem(key=f"{gid}/{i}", policy=policy, num_tokens=cfg.prompt_tokens + n, version=version,
+                        group_id=gid) for i, n in enumerate(self.lengths[g])]
+
+
+@dataclass(kw_only=True)
+class _StepStats:
+    time: float
+    rollout: float
+    samples: int
+    tokens: int
+    decoded: int
+    rounds: int
+    overlapped: int
+
+
+class _Trainer:
+    """The lockstep training replicas: rounds run one after the other, FIFO."""
+
+    def __init__(self, cfg: SimConfig):
+        self.rate = cfg.train_tokens_per_s_per_gpu * cfg.train_gpus_per_replica
+        self.free, self.samples, self.tokens, self.rounds = 0.0, 0, 0, 0
+
+    def run(self, rounds, now: float) -> None:
+        for r in rounds:
+            self.free = max(self.free, now) + r.max_tokens / self.rate
+            self.samples += len(r.items)
+            self.tokens += r.num_tokens
+            self.rounds += 1
+
+
+def _run_step(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_trajs: list[_Trajectory], *,
+              step: int, sched: MicroBatchScheduler, chain: bool, segment: int | None) -> _StepStats:
+    """One step: a FIFO multi-slot rollout over `open_trajs`' current stages, groups handed to
+    the scheduler as they complete. `chain` runs whole trajectories (sync mode)."""
+    sched.begin_step(step, version=step)
+    trainer, rate, slots = _Trainer(cfg), cfg.decode_tokens_per_s, cfg.rollout_slots
+    waiting: deque = deque((t, g, i) for t in open_trajs for g, row in enumerate(t.left)
+                           for i, n in enumerate(row) if n)
+    running: list = []
+    now, decoded, order = 0.0, 0, 0
+
+    while waiting or running:
+        while waiting and len(running) < slots:
+            traj, g, i = waiting.popleft()
+            n = traj.left[g][i] if segment is None else min(segment, traj.left[g][i])
+            heapq.heappush(running, (now + n / rate, order, traj, g, i, n))
+            order += 1
+        now, _, traj, g, i, n = heapq.heappop(running)
+        decoded += n
+        traj.left[g][i] -= n
+        if traj.left[g][i] or any(traj.left[g]):
+            continue
+        sched.add_group(traj.items(cfg, g, step))
+        trainer.run(sched.pop_ready(), now)
+        traj.groups_left -= 1
+        if chain and traj.groups_left == 0 and traj.advance(cfg, lengths, rng):
+            waiting.extend((traj, g2, i2) for g2, row in enumerate(traj.left) for i2 in range(len(row)))
+    trainer.run(sched.finish_step(), now)
+    report = sched.report()
+    return _StepStats(time=max(now, trainer.free) + cfg.weight_sync_s, rollout=now, samples=trainer.samples,
+                      tokens=trainer.tokens, decoded=decoded, rounds=report.rounds, overlapped=report.rounds_overlapped)
+
+
+def _simulate_mode(cfg: SimConfig, mode: str) -> ModeResult:
+    rng, lengths = random.Random(cfg.seed), cfg.length_model()
+    overlap = mode == "pipeline+overlap" and not cfg.colocated
+    policies = ("solver", "verifier", "corrector") if cfg.separate_policies else ("shared",)
+    sched = MicroBatchScheduler(SchedulerConfig(token_budget=cfg.token_budget, overlap=overlap),
+                                dp_size=cfg.dp_size, policies=policies)
+    open_trajs: list[_Trajectory] = []
+    stats, next_tid = [], 0
+    for step in range(cfg.steps):
+        new = [_Trajectory(tid=next_tid + j) for j in range(cfg.problems_per_step)]
+        next_tid += len(new)
+        for traj in new:
+            traj.advance(cfg, lengths, rng)
+        if mode == "sync":
+            stats.append(_run_step(cfg, lengths, rng, new, step=step, sched=sched, chain=True, segment=None))
+            continue
+        open_trajs += new
+        stats.append(_run_step(cfg, lengths, rng, open_trajs, step=step, sched=sched, chain=False,
+                               segment=cfg.segment_tokens))
+        open_trajs = [t for t in open_trajs if t.groups_left or t.advance(cfg, lengths, rng)]
+    return _summarise(cfg, mode, stats[cfg.warmup_steps:])
+
+
+def _summarise(cfg: SimConfig, mode: str, stats: list[_StepStats]) -> ModeResult:
+    total = sum(s.time for s in stats)
+    train_capacity = cfg.train_tokens_per_s_per_gpu * cfg.training_gpus * total
+    rollout_capacity = cfg.decode_tokens_per_s * cfg.rollout_slots * total
+    return ModeResult(mode=mode, step_s=[s.time for s in stats],
+                      median_step_s=statistics.median(s.time for s in stats),
+                      median_rollout_s=statistics.median(s.rollout for s in stats),
+                      samples_per_s=sum(s.samples for s in stats) / total,
+                      tokens_per_step=sum(s.tokens for s in stats) / len(stats),
+                      train_idle_fraction=1.0 - sum(s.tokens for s in stats) / train_capacity,
+                      rollout_idle_fraction=1.0 - sum(s.decoded for s in stats) / rollout_capacity,
+                      overlapped_rounds_fraction=sum(s.overlapped for s in stats) / max(1, sum(s.rounds for s in stats)))
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))

@@ -1,0 +1,403 @@
+"""The parts of an RL step, wired together: what `loop.train` calls by name.
+
+Process roles: every rank holds its shard of each policy (Megatron); rank 0 additionally
+owns the rollout engines, the agents (in a background thread, `RolloutDriver`), the
+micro-batch scheduler, TensorBoard and the console. Rank 0 broadcasts each training round
+(one micro-batch per data-parallel rank, one policy) on a control group; the other ranks
+follow, so every collective inside Megatron runs in the same order everywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_marsrl.algorithms.advantages import batch_from_samples, compute_advantages
+from megatron_marsrl.algorithms.losses import PolicyLossInputs, k3_kl, policy_loss
+from megatron_marsrl.data_types import Group, Sample
+from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
+from megatron_marsrl.megatron.hf_config import ModelArch
+from megatron_marsrl.megatron.parallel import init_parallel
+from megatron_marsrl.rl import checkpoint
+from megatron_marsrl.rl.config import ROLES, TrainConfig
+from megatron_marsrl.rl.rollout_metrics import role_metrics
+from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
+
+log = logging.getLogger(__name__)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class Trainer:
+    """Holds the policies (all ranks) and the rollout side (rank 0) of one run."""
+
+    def __init__(self, config: TrainConfig, *, resume: bool = False):
+        self.config = config
+        self.run_dir = Path(config.run.output_dir)
+        self.hf_dir = self._initial_model()
+        self.arch = ModelArch.from_hf_dir(self.hf_dir)
+        init_parallel(config.parallel, self.arch, seed=config.run.seed)
+        self.rank = dist.get_rank()
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
+        dtype = _dtype(config.model.dtype)
+        self.actors = {name: PolicyActor(name, self.arch, config.parallel, config.optim, hf_dir=str(self.hf_dir),
+                                         dtype=dtype, reference=config.policy.reference,
+                                         moe_aux_loss_coeff=config.model.moe_aux_loss_coeff)
+                       for name in config.policy_names()}
+        self.probe_tolerance = 1e-3 if dtype == torch.float32 else 0.5
+        self.rollout = None
+        if self.rank == 0:
+            from megatron_marsrl.rl.rollout_side import RolloutSide
+
+            self.rollout = RolloutSide(config, str(self.hf_dir))
+        self.start_step = 0
+        self._stop_signal = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        if resume:
+            self._resume()
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _initial_model(self) -> Path:
+        """The HF checkpoint training starts from (built on rank 0 for the embedded task)."""
+        if self.config.model.path != "task":
+            path = Path(self.config.model.path)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model.path={str(path)!r} has no config.json; give a local HF "
+                                        "checkpoint directory (or 'task' for the task's tiny model)")
+            return path
+        path = self.run_dir / "initial_model"
+        rank = int(__import__("os").environ.get("RANK", 0))
+        if rank == 0 and not (path / "config.json").is_file():
+            from megatron_marsrl.agents import arithmetic
+
+            arithmetic.build_model(path, seed=self.config.run.seed, overrides=self.config.task.tiny_model)
+        deadline = time.time() + 300
+        while not (path / "tokenizer_config.json").is_file():  # other ranks wait for rank 0
+            if time.time() > deadline:
+                raise TimeoutError(f"rank {rank}: {path} did not appear within 300 s")
+            time.sleep(0.2)
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signal.Signals(signum).name
+        log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
+                    "(send it again to stop at once)", self._stop_signal)
+
+    def stop_requested(self) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGINT."""
+        flag = torch.tensor([1 if self._stop_signal else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(flag.item())
+
+    def _broadcast(self, obj=None):
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0, group=self.control)
+        return holder[0]
+
+    # ---- rollouts + training of one step ------------------------------------------------
+    def start_rollouts(self, step: int) -> None:
+        if self.rollout is not None:
+            self.rollout.start_step(step)
+
+    def train_while_generating(self, step: int) -> tuple[list[Sample], dict]:
+        """Train each unit of groups as soon as the scheduler packs it, while the rest is still
+        being generated. Returns the step's samples (rank 0; [] elsewhere) and train metrics."""
+        acc = _MetricSums()
+        if self.rank == 0:
+            samples, timing = self._lead_step(step, acc)
+        else:
+            samples, timing = [], {}
+            while (msg := self._broadcast())[0] == "round":
+                self._run_round(msg[1], msg[2], acc)
+            if msg[0] == "abort":
+                raise StepAborted(f"rank 0 aborted step {step}: {msg[1]}")
+        return samples, {**self._reduce(acc), **timing}
+
+    def _lead_step(self, step: int, acc: "_MetricSums") -> tuple[list[Sample], dict]:
+        cfg = self.config
+        sched = MicroBatchScheduler(cfg.scheduler, dp_size=_dp_size(), policies=cfg.policy_names())
+        sched.begin_step(step, version=step)
+        samples, seqs, advantages = [], {}, {}
+        start = time.perf_counter()
+        t = {"train": 0.0, "idle": 0.0, "train_during_rollout": 0.0}
+        rollout_done = None
+        try:
+            while True:
+                wait = time.perf_counter()
+                unit = self.rollout.driver.next_unit()
+                t["idle"] += time.perf_counter() - wait
+                if unit is None:
+                    rollout_done = time.perf_counter()
+                    break
+                items = self._prepare_unit(unit, seqs, advantages, samples)
+                for group_items in items:
+                    sched.add_group(group_items)
+                t["train_during_rollout"] += self._train_rounds(sched.pop_ready(), seqs, acc, t)
+        except Exception as exc:
+            self._broadcast(("abort", f"{type(exc).__name__}: {exc}"))
+            raise StepAborted(f"step {step} failed: {type(exc).__name__}: {exc}") from exc
+        self._train_rounds(sched.finish_step(), seqs, acc, t)
+        self._broadcast(("end",))
+        total = time.perf_counter() - start
+        rollout_s = rollout_done - start
+        return samples, {"time/rollout": rollout_s, "time/train": t["train"], "time/train_idle": t["idle"],
+                         "time/overlap_fraction": t["train_during_rollout"] / t["train"] if t["train"] else 0.0,
+                         "time/rollout_and_train": total,
+                         "_advantages": advantages}
+
+    def _prepare_unit(self, unit: list[Group], seqs: dict, advantages: dict, samples: list) -> list[list[SeqItem]]:
+        """Advantages of one unit (all its groups pool within one problem), training sequences,
+        and scheduler items (one list per group)."""
+        unit_samples = [s for g in unit for s in g.samples]
+        adv = compute_advantages(batch_from_samples(unit_samples), self.config.advantage)
+        out = []
+        for sample, a in zip(unit_samples, adv.tolist()):
+            advantages[sample.sample_id] = a
+            seqs[sample.sample_id] = (sample.role, _sequence(sample, a))
+        samples.extend(unit_samples)
+        for g in unit:
+            items = [SeqItem(key=s.sample_id, policy=self.config.policy_of(s.role), group_id=g.group_id,
+                             num_tokens=len(s.prompt_token_ids or []) + len(s.response_token_ids or []),
+                             version=s.metadata.get("weight_version", self.rollout.version))
+                     for s in g.samples if s.response_token_ids]
+            if items:
+                out.append(items)
+        return out
+
+    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> float:
+        spent = 0.0
+        for rnd in rounds:
+            payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
+            msg = ("round", rnd.policy, payload)
+            self._broadcast(msg)
+            begin = time.perf_counter()
+            self._run_round(rnd.policy, payload, acc)
+            spent += time.perf_counter() - begin
+        t["train"] += spent
+        return spent
+
+    def _run_round(self, policy: str, payload: list, acc: "_MetricSums") -> None:
+        from megatron.core import parallel_state as ps
+
+        mine = payload[ps.get_data_parallel_rank()]
+        real = bool(mine)
+        if not real:  # this DP rank has nothing in the round but must join the collectives
+            mine = [("solver", Sequence(prompt_ids=[0], response_ids=[0], advantage=0.0, reward=0.0,
+                                        trained_from=1))]
+        batch = pack_sequences([s for _, s in mine])
+        batch["role_index"] = torch.tensor([ROLES.index(r) if r in ROLES else -1 for r, _ in mine])
+        batch["temperature"] = self.config.rollout.sampling.temperature or 1.0
+        actor = self.actors[policy]
+        if actor.reference is not None:
+            batch["ref_logprobs"] = actor.reference_logprobs(batch["tokens"], temperature=batch["temperature"])
+        metrics = actor.train_micro_batch(batch, self._loss_fn, with_entropy=True)
+        acc.add_units(policy, metrics.pop("aggregation_units"))
+        if real:
+            acc.add(metrics)
+
+    def _loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor | None, batch: dict):
+        cfg = self.config.loss
+        mask = batch["response_mask"].to(logp.device)
+        rollout = batch["rollout_logprobs"].to(logp.device)
+        inputs = PolicyLossInputs(
+            logprobs=logp, old_logprobs=logp.detach(), advantages=batch["advantages"].to(logp.device),
+            response_mask=mask, entropy=entropy, rewards=batch["rewards"].to(logp.device),
+            ref_logprobs=batch["ref_logprobs"].to(logp.device) if "ref_logprobs" in batch else None,
+            rollout_logprobs=rollout if cfg.tis is not None else None)
+        loss, metrics = policy_loss(inputs, cfg, normalizer=1.0)
+        metrics = {**metrics, **_mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
+        return loss, metrics
+
+    def _reduce(self, acc: "_MetricSums") -> dict:
+        """Weighted means of the train metrics over micro-batches and data-parallel ranks."""
+        from megatron.core import parallel_state as ps
+
+        parts = [None] * _dp_size()
+        dist.all_gather_object(parts, (dict(acc.sums), dict(acc.weights), dict(acc.units)),
+                               group=ps.get_data_parallel_group())
+        sums, weights, self._units = defaultdict(float), defaultdict(float), defaultdict(float)
+        for s, w, u in parts:
+            for k, v in s.items():
+                sums[k] += v
+            for k, v in w.items():
+                weights[k] += v
+            for k, v in u.items():
+                self._units[k] += v
+        return {f"train/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0}
+
+    # ---- metrics, evaluation ---------------------------------------------------------------
+    def observer(self):
+        """TensorBoard + progress bar on rank 0; a sink elsewhere."""
+        if self.rank != 0:
+            return _NullObserver()
+        from megatron_marsrl.rl.observe import Observer
+
+        return Observer(self.run_dir, total_steps=self.config.run.steps, start_step=self.start_step,
+                        progress=self.config.run.progress)
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out per-role rewards (rank 0 generates; the others wait at the next collective)."""
+        return self.rollout.evaluate(step) if self.rollout is not None else {}
+
+    def probe(self, samples: list[Sample]) -> dict | None:
+        return self.rollout.probe_sequences(samples) if self.rollout is not None else None
+
+    def rollout_metrics(self, samples: list[Sample], metrics: dict, step_time: float) -> dict:
+        """Per-role rollout statistics and throughput (rank 0)."""
+        if self.rollout is None:
+            return {}
+        from megatron_marsrl.rl.rollout_side import sample_metrics
+
+        advantages = metrics.pop("_advantages", {})
+        out = sample_metrics(samples, advantages)
+        generated = sum(len(s.response_token_ids or []) for s in samples)
+        trained = sum(len(s.prompt_token_ids or []) + len(s.response_token_ids or []) for s in samples)
+        out.update({"time/step": step_time, "throughput/samples_per_s": len(samples) / step_time,
+                    "throughput/rollout_tokens_per_s": generated / max(metrics.get("time/rollout", 0.0), 1e-9),
+                    "throughput/train_tokens_per_s": trained / max(metrics.get("time/train", 0.0), 1e-9),
+                    "time/train_idle_fraction": metrics.get("time/train_idle", 0.0) / step_time,
+                    "rollout/samples": len(samples), "rollout/pending_stage_inputs": len(self.rollout.driver.pending)})
+        return out
+
+    # ---- update, sync, evaluate, checkpoint ---------------------------------------------------
+    def optimizer_step(self) -> dict:
+        """One optimizer step per policy, normalised by the step's total loss units."""
+        out = {}
+        for name, actor in self.actors.items():
+            units = self._units.get(name, 0.0)
+            report = actor.finish_step(grad_scale=_dp_size() / max(units, 1.0),
+                                       max_grad_norm=self.config.policy.max_grad_norm)
+            if not report["update_applied"]:
+                log.warning("policy %s: update skipped (grad norm %s)", name, report["grad_norm"])
+            out[f"{name}/grad_norm"] = report["grad_norm"]
+            out[f"{name}/update_skipped"] = 0.0 if report["update_applied"] else 1.0
+            out[f"{name}/micro_batches"] = report["micro_batches"]
+        return out
+
+    def sync_weights(self, version: int, probe: dict | None = None) -> dict:
+        """Megatron -> engines for every policy; with the probe check after each."""
+        from megatron_marsrl.rollout.weight_sync import sync_and_verify, sync_weights
+
+        out, start = {}, time.perf_counter()
+        for name, actor in self.actors.items():
+            pool = self.rollout.pools[name] if self.rollout is not None else None
+            seqs = self._broadcast(probe.get(name) if probe and self.rank == 0 else None) \
+                if self.config.run.sync_probe else None
+            if seqs:
+                report = sync_and_verify(actor.module, self.arch, pool, version=version, probe=seqs,
+                                         tolerance=self.probe_tolerance)
+                out[f"{name}/sync_probe_mismatch"] = report["mismatch"]["max"]
+            else:
+                report = sync_weights(actor.module, self.arch, pool, version=version)
+            out[f"{name}/sync_gb"] = report["bytes"] / 1e9
+        if self.rollout is not None:
+            self.rollout.version = version
+        out["time/sync"] = time.perf_counter() - start
+        return out
+
+    def save(self, step: int, *, redo_step: bool = False) -> Path:
+        """Checkpoint after `step` steps; `redo_step`: the running step failed, save the state
+        from its start so that a resume runs it again (the weights were not updated yet)."""
+        state = self._broadcast(self.rollout.state_dict(step_start=redo_step) if self.rollout is not None else None)
+        path = checkpoint.save(self.run_dir, step, self.actors, state, keep=self.config.run.keep_checkpoints)
+        if self.rank == 0:
+            log.info("checkpoint saved: %s", path)
+        return path
+
+    def _resume(self) -> None:
+        path = checkpoint.latest(self.run_dir) if self.rank == 0 else None
+        path = self._broadcast(str(path) if path else None)
+        if path is None:
+            log.warning("--resume: no complete checkpoint under %s; starting from step 0", self.run_dir)
+            return
+        state = checkpoint.load(path, self.actors)
+        if self.rollout is not None:
+            self.rollout.load_state_dict(state)
+        self.start_step = state["step"]
+        self.sync_weights(version=self.start_step)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.start_step)
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+
+
+class StepAborted(RuntimeError):
+    """A step could not finish (e.g. the engines failed after their retries); raised on every rank."""
+
+
+class _NullObserver:
+    def log(self, step, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _MetricSums:
+    """Weighted sums of per-micro-batch metrics (weight: the micro-batch's sequences)."""
+
+    def __init__(self):
+        self.sums, self.weights, self.units = defaultdict(float), defaultdict(float), defaultdict(float)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if k.endswith("_count") or not math.isfinite(v):
+                continue
+            w = metrics.get(f"{k.split('/')[0]}/_count", 1.0) if "/" in k else metrics.get("_count", 1.0)
+            self.sums[k] += v * w
+            self.weights[k] += w
+
+    def add_units(self, policy: str, units: float) -> None:
+        self.units[policy] += units
+
+
+def _dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def _sequence(sample: Sample, advantage: float) -> Sequence:
+    return Sequence(prompt_ids=list(sample.prompt_token_ids or []), response_ids=list(sample.response_token_ids or []),
+                    advantage=advantage, reward=float(sample.reward or 0.0),
+                    rollout_logprobs=list(sample.rollout_logprobs) if sample.rollout_logprobs else None)
+
+
+def _mismatch_metrics(logp, rollout, mask, role_index, entropy) -> dict[str, torch.Tensor]:
+    """Train/rollout log-prob mismatch (|diff| and k3 KL) and entropy, overall and per role.
+    `_count` entries are the sequence counts the step-level means are weighted by."""
+    out: dict[str, torch.Tensor] = {"_count": torch.tensor(float(mask.any(-1).sum()))}
+
+    def add(prefix: str, rows: torch.Tensor) -> None:
+        m = mask & rows[:, None].to(mask.device)
+        n = m.sum().clamp(min=1)
+        diff = torch.where(m, logp - rollout, torch.zeros_like(logp))
+        out[f"{prefix}mismatch_abs"] = diff.abs().sum() / n
+        out[f"{prefix}mismatch_k3"] = torch.where(m, k3_kl(rollout, logp), torch.zeros_like(logp)).sum() / n
+        if entropy is not None:
+            out[f"{prefix}entropy"] = torch.where(m, entropy.detach(), torch.zeros_like(logp)).sum() / n
+
+    add("", torch.ones_like(role_index, dtype=torch.bool))
+    for i, role in enumerate(ROLES):
+        rows = role_index == i
+        if rows.any():
+            out[f"{role}/_count"] = rows.sum().float()
+            add(f"{role}/", rows)
+    return out
