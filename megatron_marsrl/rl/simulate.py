@@ -4,8 +4,8 @@ pipeline with the overlapping micro-batch scheduler (a discrete-event model, no 
     from megatron_marsrl.rl.simulate import SimConfig, simulate
     print(simulate(SimConfig()).speedup)          # also: marsrl bench pipeline --simulate
 
-Modes, each simulated for `steps` RL steps (the first `warmup_steps` fill the pipeline and are
-not measured):
+Modes, each measured over `measured_steps` RL steps (the pipeline modes after `warmup_steps`
+that fill the pipeline):
   sync              each step takes `problems_per_step` new problems through their whole
                     trajectory, Solver -> Verifier -> Corrector -> Verifier ... (at most
                     `max_stages`); a stage starts when every sample of the stage before it is
@@ -27,9 +27,11 @@ Model, every assumption a `SimConfig` field:
   * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
     scheduler in lockstep; a round lasts its largest micro-batch's tokens / the replica's
     rate (linear in tokens: the long-context attention cost is folded into the rate).
-  * Placement: `rollout_gpus` GPUs host engines and the others train, concurrently; None
-    colocates both on every GPU, time-shared, so training cannot overlap generation there
-    and pipeline+overlap equals pipeline.
+  * Placement: colocated by default (every GPU hosts an engine and trains, as MarsRL runs):
+    decoding keeps priority and training gets the GPU share it leaves (`colocated_decode_floor`
+    whenever anything decodes, plus the busy-slot share), so overlap only fills the rollout's
+    tail; both states are assumed to fit in memory (lower `engine_concurrency` for a smaller
+    KV cache). With `rollout_gpus` set, those GPUs only generate and the others only train.
   * A trajectory continues after a Verifier stage with probability `continue_fraction` (the
     Corrector only gets verifier outputs that flagged an error).
   * Segment rollout applies to the pipeline modes; samples of a segmented output count under
@@ -59,11 +61,12 @@ class SimConfig:
 
     seed: int = 0
     """Seeds output lengths and trajectory continuation."""
-    steps: int = 16
-    """RL steps simulated per mode."""
-    warmup_steps: int = 6
-    """Leading steps not measured (the pipeline fills up over max_stages steps and more with
-    segments)."""
+    measured_steps: int = 8
+    """RL steps measured per mode (figures are medians or totals over them)."""
+    warmup_steps: int | None = None
+    """Pipeline steps run before measuring, while the pipeline fills. None: the longest a
+    trajectory can stay open, max_stages x ceil(max_tokens / segment_tokens), after which the
+    open trajectories are in their steady state. Sync steps need none (all are alike)."""
     problems_per_step: int = 128
     """New problems per step (MarsRL: 128 prompts x 8 responses per step)."""
     group_size: int = 8
@@ -90,9 +93,9 @@ class SimConfig:
     (MarsRL: 64k = 4 x 16k); None generates whole outputs."""
     num_gpus: int = 64
     """GPUs in the cluster (8 nodes of 8 x H100)."""
-    rollout_gpus: int | None = 40
-    """GPUs hosting rollout engines; the others train. None: colocated, every GPU does both,
-    time-shared. 40/24 roughly balances rollout and training work with the defaults."""
+    rollout_gpus: int | None = None
+    """None: colocated, every GPU hosts an engine and trains (MarsRL's set-up). A number: those
+    GPUs only generate and the others only train (40 of 64 roughly balances the work)."""
     gpus_per_engine: int = 4
     """GPUs per SGLang engine (Qwen3-30B-A3B bf16 weights, ~61 GB, plus KV cache)."""
     engine_concurrency: int = 128
@@ -110,21 +113,26 @@ class SimConfig:
     """Scheduler micro-batch budget in tokens (one max-length output)."""
     weight_sync_s: float = 20.0
     """Optimizer step plus weight sync to the engines, per step (our estimate)."""
+    colocated_decode_floor: float = 0.25
+    """Colocated only: share of the GPUs that decoding takes whenever any sequence decodes (the
+    weights are read at every decode step, ~5 of a ~20 ms full-batch step); the rest grows with
+    the busy slots. Training gets what decoding leaves (decoding keeps priority)."""
     separate_policies: bool = False
     """One policy per role (rounds of one policy each) instead of one shared model."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "problems_per_step", "group_size", "inputs_per_stage", "max_stages", "mean_tokens",
+        for name in ("measured_steps", "problems_per_step", "group_size", "inputs_per_stage", "max_stages", "mean_tokens",
                      "max_tokens", "num_gpus", "gpus_per_engine", "engine_concurrency", "train_gpus_per_replica",
                      "token_budget"):
             _positive_int(name, getattr(self, name))
         for name in ("decode_tokens_per_s", "train_tokens_per_s_per_gpu"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0 and < steps={self.steps}")
-        if not 0.0 <= self.continue_fraction <= 1.0:
-            raise ValueError(f"continue_fraction={self.continue_fraction}: must be within [0, 1]")
+        if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps={self.warmup_steps!r}: must be an integer >= 0 or None")
+        for name in ("continue_fraction", "colocated_decode_floor"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be within [0, 1]")
         if self.prompt_tokens < 0 or self.weight_sync_s < 0:
             raise ValueError("prompt_tokens and weight_sync_s must be >= 0")
         if self.segment_tokens is not None:
@@ -159,6 +167,13 @@ class SimConfig:
     def rollout_slots(self) -> int:
         """Sequences the whole rollout decodes at once."""
         return self.generation_gpus // self.gpus_per_engine * self.engine_concurrency
+
+    @property
+    def pipeline_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        segments = 1 if self.segment_tokens is None else math.ceil(self.max_tokens / self.segment_tokens)
+        return self.max_stages * segments
 
     @property
     def dp_size(self) -> int:
@@ -263,7 +278,7 @@ class SimResult:
 
 
 def simulate(config: SimConfig) -> SimResult:
-    """Run every mode for config.steps steps; deterministic for config.seed."""
+    """Simulate and measure every mode; deterministic for config.seed."""
     return SimResult(config=config, modes={mode: _simulate_mode(config, mode) for mode in MODES})
 
 
@@ -282,7 +297,8 @@ class _Trajectory:
     def advance(self, cfg: SimConfig, lengths: LengthModel, rng: random.Random) -> bool:
         """Draw the next stage's groups; False when the trajectory ends."""
         nxt = self.stage + 1
-        if nxt >= cfg.max_stages or (self.stage % 2 == 1 and rng.random() >= cfg.continue_fraction):
+        after_verifier = self.stage > 0 and self.stage % 2 == 1
+        if nxt >= cfg.max_stages or (after_verifier and rng.random() >= cfg.continue_fraction):
             return False
         n_groups = 1 if nxt == 0 else cfg.inputs_per_stage
         self.stage = nxt
@@ -291,84 +307,122 @@ class _Trajectory:
         self.groups_left = n_groups
         return True
 
-    def role(self) -> str:
-        return "solver" if self.stage == 0 else ("verifier" if self.stage % 2 else "corrector")
-
     def items(self, cfg: SimConfig, g: int, version: int) -> list[SeqItem]:
-        policy = self.role() if cfg.separate_policies else "shared"
+        role = "solver" if self.stage == 0 else ("verifier" if self.stage % 2 else "corrector")
+        policy = role if cfg.separate_policies else "shared"
         gid = f"{self.tid}/{self.stage}/{g}"
         return [SeqItem(key=f"{gid}/{i}", policy=policy, num_tokens=cfg.prompt_tokens + n, version=version,
                         group_id=gid) for i, n in enumerate(self.lengths[g])]
 
 
 @dataclass(kw_only=True)
-class _StepStats:
-    time: float
-    rollout: float
-    samples: int
-    tokens: int
-    decoded: int
-    rounds: int
-    overlapped: int
+class _Step:
+    """One simulated step: its rollout (end, tokens decoded, when rounds were released, busy
+    slots over time as change points), then its training and total time."""
+
+    end: float = 0.0
+    decoded: int = 0
+    releases: list[tuple[float, list]] = field(default_factory=list)
+    busy: list[tuple[float, int]] = field(default_factory=list)
+    time: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    overlapped: int = 0
 
 
 class _Trainer:
-    """The lockstep training replicas: rounds run one after the other, FIFO."""
+    """The lockstep training replicas: rounds run one after the other, FIFO, at the share of
+    the GPUs that generation leaves them (piecewise constant; starts never go back in time)."""
 
-    def __init__(self, cfg: SimConfig):
+    def __init__(self, cfg: SimConfig, rollout: _Step):
         self.rate = cfg.train_tokens_per_s_per_gpu * cfg.train_gpus_per_replica
-        self.free, self.samples, self.tokens, self.rounds = 0.0, 0, 0, 0
+        self.free, self.samples, self.tokens = 0.0, 0, 0
+        if cfg.colocated:
+            floor, slots = cfg.colocated_decode_floor, cfg.rollout_slots
+            self.share = [(t, 1.0 - (floor + (1 - floor) * n / slots if n else 0.0)) for t, n in rollout.busy]
+        else:
+            self.share = [(0.0, 1.0)]
+        self.share.append((rollout.end, 1.0))
+        self._at = 0
 
     def run(self, rounds, now: float) -> None:
         for r in rounds:
-            self.free = max(self.free, now) + r.max_tokens / self.rate
+            self.free = self._finish(max(self.free, now), r.max_tokens / self.rate)
             self.samples += len(r.items)
             self.tokens += r.num_tokens
-            self.rounds += 1
+
+    def _finish(self, t: float, work: float) -> float:
+        """When `work` seconds of full-speed training started at `t` are done."""
+        while True:
+            while self._at + 1 < len(self.share) and self.share[self._at + 1][0] <= t:
+                self._at += 1
+            share = self.share[self._at][1]
+            until = self.share[self._at + 1][0] if self._at + 1 < len(self.share) else math.inf
+            if share > 0 and t + work / share <= until:
+                return t + work / share
+            work -= share * (until - t)
+            t = until
 
 
-def _run_step(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_trajs: list[_Trajectory], *,
-              step: int, sched: MicroBatchScheduler, chain: bool, segment: int | None) -> _StepStats:
-    """One step: a FIFO multi-slot rollout over `open_trajs`' current stages, groups handed to
-    the scheduler as they complete. `chain` runs whole trajectories (sync mode)."""
-    sched.begin_step(step, version=step)
-    trainer, rate, slots = _Trainer(cfg), cfg.decode_tokens_per_s, cfg.rollout_slots
+def _generate(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_trajs: list[_Trajectory], *,
+              step: int, sched: MicroBatchScheduler, chain: bool, segment: int | None) -> _Step:
+    """A FIFO multi-slot rollout over `open_trajs`' current stages; complete groups go to the
+    scheduler as they finish. `chain` runs whole trajectories (sync mode)."""
+    rate, slots, out = cfg.decode_tokens_per_s, cfg.rollout_slots, _Step()
     waiting: deque = deque((t, g, i) for t in open_trajs for g, row in enumerate(t.left)
                            for i, n in enumerate(row) if n)
     running: list = []
-    now, decoded, order = 0.0, 0, 0
-
+    now, order = 0.0, 0
     while waiting or running:
         while waiting and len(running) < slots:
             traj, g, i = waiting.popleft()
             n = traj.left[g][i] if segment is None else min(segment, traj.left[g][i])
             heapq.heappush(running, (now + n / rate, order, traj, g, i, n))
             order += 1
+        out.busy.append((now, len(running)))
         now, _, traj, g, i, n = heapq.heappop(running)
-        decoded += n
+        out.decoded += n
         traj.left[g][i] -= n
         if traj.left[g][i] or any(traj.left[g]):
             continue
         sched.add_group(traj.items(cfg, g, step))
-        trainer.run(sched.pop_ready(), now)
+        out.releases.append((now, sched.pop_ready()))
         traj.groups_left -= 1
         if chain and traj.groups_left == 0 and traj.advance(cfg, lengths, rng):
             waiting.extend((traj, g2, i2) for g2, row in enumerate(traj.left) for i2 in range(len(row)))
-    trainer.run(sched.finish_step(), now)
+    out.end = now
+    return out
+
+
+def _run_step(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_trajs: list[_Trajectory], *,
+              step: int, sched: MicroBatchScheduler, chain: bool, segment: int | None) -> _Step:
+    """One step: the rollout, then the training rounds it released (in time order), then the
+    optimizer step and weight sync."""
+    sched.begin_step(step, version=step)
+    result = _generate(cfg, lengths, rng, open_trajs, step=step, sched=sched, chain=chain, segment=segment)
+    result.releases.append((result.end, sched.finish_step()))
+    trainer = _Trainer(cfg, result)
+    for now, rounds in result.releases:
+        trainer.run(rounds, now)
     report = sched.report()
-    return _StepStats(time=max(now, trainer.free) + cfg.weight_sync_s, rollout=now, samples=trainer.samples,
-                      tokens=trainer.tokens, decoded=decoded, rounds=report.rounds, overlapped=report.rounds_overlapped)
+    result.time = max(result.end, trainer.free) + cfg.weight_sync_s
+    result.samples, result.tokens = trainer.samples, trainer.tokens
+    result.rounds, result.overlapped = report.rounds, report.rounds_overlapped
+    result.releases, result.busy = [], []  # only the figures are kept
+    return result
 
 
 def _simulate_mode(cfg: SimConfig, mode: str) -> ModeResult:
     rng, lengths = random.Random(cfg.seed), cfg.length_model()
-    overlap = mode == "pipeline+overlap" and not cfg.colocated
+    overlap = mode == "pipeline+overlap"
     policies = ("solver", "verifier", "corrector") if cfg.separate_policies else ("shared",)
     sched = MicroBatchScheduler(SchedulerConfig(token_budget=cfg.token_budget, overlap=overlap),
                                 dp_size=cfg.dp_size, policies=policies)
+    warmup = 0 if mode == "sync" else cfg.pipeline_warmup_steps
     open_trajs: list[_Trajectory] = []
     stats, next_tid = [], 0
-    for step in range(cfg.steps):
+    for step in range(warmup + cfg.measured_steps):
         new = [_Trajectory(tid=next_tid + j) for j in range(cfg.problems_per_step)]
         next_tid += len(new)
         for traj in new:
@@ -380,16 +434,16 @@ def _simulate_mode(cfg: SimConfig, mode: str) -> ModeResult:
         stats.append(_run_step(cfg, lengths, rng, open_trajs, step=step, sched=sched, chain=False,
                                segment=cfg.segment_tokens))
         open_trajs = [t for t in open_trajs if t.groups_left or t.advance(cfg, lengths, rng)]
-    return _summarise(cfg, mode, stats[cfg.warmup_steps:])
+    return _summarise(cfg, mode, stats[warmup:])
 
 
-def _summarise(cfg: SimConfig, mode: str, stats: list[_StepStats]) -> ModeResult:
+def _summarise(cfg: SimConfig, mode: str, stats: list[_Step]) -> ModeResult:
     total = sum(s.time for s in stats)
     train_capacity = cfg.train_tokens_per_s_per_gpu * cfg.training_gpus * total
     rollout_capacity = cfg.decode_tokens_per_s * cfg.rollout_slots * total
     return ModeResult(mode=mode, step_s=[s.time for s in stats],
                       median_step_s=statistics.median(s.time for s in stats),
-                      median_rollout_s=statistics.median(s.rollout for s in stats),
+                      median_rollout_s=statistics.median(s.end for s in stats),
                       samples_per_s=sum(s.samples for s in stats) / total,
                       tokens_per_step=sum(s.tokens for s in stats) / len(stats),
                       train_idle_fraction=1.0 - sum(s.tokens for s in stats) / train_capacity,

@@ -1,0 +1,136 @@
+"""The step-time simulator and `marsrl bench pipeline --simulate`."""
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_marsrl.rl.simulate import LengthModel, SimConfig, simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# 8 GPUs, 2 engines x 64 slots, 4 training replicas, short outputs: a long-tailed MarsRL step in
+# miniature that simulates in well under a second per mode.
+SMALL = dict(num_gpus=8, gpus_per_engine=4, engine_concurrency=64, train_gpus_per_replica=2, problems_per_step=8,
+             mean_tokens=2000, max_tokens=8192, segment_tokens=2048, token_budget=8192, measured_steps=4,
+             train_tokens_per_s_per_gpu=2000.0, weight_sync_s=5.0)
+
+
+def small(**changes) -> SimConfig:
+    return SimConfig(**{**SMALL, **changes})
+
+
+def test_simulation_is_deterministic_given_the_seed():
+    first, again = simulate(small()).to_dict(), simulate(small()).to_dict()
+    assert first == again
+    assert simulate(small(seed=1)).to_dict()["modes"] != first["modes"]
+
+
+@pytest.mark.parametrize("rollout_gpus", [None, 4])
+def test_pipeline_beats_sync_with_long_tailed_lengths(rollout_gpus):
+    result = simulate(small(rollout_gpus=rollout_gpus))
+    sync, pipe, overlap = (result.modes[m] for m in ("sync", "pipeline", "pipeline+overlap"))
+    assert result.speedup["pipeline"] > 1.5
+    assert overlap.median_step_s <= pipe.median_step_s
+    assert overlap.samples_per_s > sync.samples_per_s
+    assert overlap.overlapped_rounds_fraction > 0.5 and pipe.overlapped_rounds_fraction == 0
+    # measured after warm-up, the pipeline trains as much per step as sync does (same problems in)
+    assert pipe.tokens_per_step == pytest.approx(sync.tokens_per_step, rel=0.15)
+    for row in result.modes.values():
+        assert 0 <= row.train_idle_fraction < 1 and 0 <= row.rollout_idle_fraction < 1
+        assert row.median_step_s >= row.median_rollout_s + 5.0  # the weight sync follows the rollout
+
+
+def test_split_placement_gains_more_from_overlap_than_colocated():
+    colocated, split = simulate(small()), simulate(small(rollout_gpus=4))
+    gain = {name: r.modes["pipeline"].median_step_s / r.modes["pipeline+overlap"].median_step_s
+            for name, r in (("colocated", colocated), ("split", split))}
+    assert gain["split"] > gain["colocated"] >= 1.0
+
+
+@pytest.mark.parametrize("rollout_gpus", [None, 4])
+def test_modes_converge_with_constant_lengths_and_only_the_solver(rollout_gpus):
+    result = simulate(small(length_sigma=0.0, max_stages=1, segment_tokens=None, rollout_gpus=rollout_gpus))
+    for name in ("pipeline", "pipeline+overlap"):
+        assert result.speedup[name] == pytest.approx(1.0)
+    assert len({row.tokens_per_step for row in result.modes.values()}) == 1
+
+
+def test_length_model_hits_its_mean_and_clip():
+    model = LengthModel(mean_tokens=20000, max_tokens=65536, sigma=1.0)
+    rng = random.Random(0)
+    draws = [model.sample(rng) for _ in range(50000)]
+    assert statistics.mean(draws) == pytest.approx(20000, rel=0.02)
+    assert max(draws) == 65536 and min(draws) >= 1
+    assert sum(d == 65536 for d in draws) / len(draws) == pytest.approx(model.truncated_fraction(), abs=0.005)
+    assert LengthModel(mean_tokens=500, max_tokens=500, sigma=0.0).sample(rng) == 500
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(group_size=0), "group_size=0: must be a positive integer"),
+    (dict(mean_tokens=9000), "mean_tokens=9000 must be below max_tokens=8192"),
+    (dict(length_sigma=-1.0), "length_sigma=-1.0"),
+    (dict(continue_fraction=1.5), r"continue_fraction=1.5: must be within \[0, 1\]"),
+    (dict(rollout_gpus=8), "rollout_gpus=8: must be between 1 and num_gpus-1=7"),
+    (dict(rollout_gpus=6), "6 rollout GPUs are not a multiple of gpus_per_engine=4"),
+    (dict(train_gpus_per_replica=3), "8 training GPUs are not a multiple of train_gpus_per_replica=3"),
+    (dict(decode_tokens_per_s=0.0), "decode_tokens_per_s=0.0: must be > 0"),
+    (dict(segment_tokens=0), "segment_tokens=0"),
+    (dict(warmup_steps=-1), "warmup_steps=-1"),
+])
+def test_bad_parameters_raise_clear_errors(changes, match):
+    with pytest.raises(ValueError, match=match):
+        small(**changes)
+
+
+def _cli_args(*argv):
+    from megatron_marsrl.commands import bench_pipeline
+
+    parser = argparse.ArgumentParser()
+    bench_pipeline.add_arguments(parser)
+    return bench_pipeline, parser.parse_args([str(a) for a in argv])
+
+
+def test_command_flags_and_set_overrides_reach_the_config(tmp_path, capsys):
+    command, args = _cli_args("--simulate", "--gpus", 8, "--gpus-per-engine", 4, "--concurrency", 64,
+                              "--gpus-per-replica", 2, "--problems", 8, "--mean-tokens", 2000, "--max-tokens", 8192,
+                              "--segment-tokens", 0, "--rollout-gpus", 4, "--steps", 2, "--set", "warmup_steps=5",
+                              "--set", "token_budget=8192", "--json", tmp_path / "sim.json")
+    config = command.sim_config_from_args(args)
+    assert (config.segment_tokens, config.rollout_gpus, config.warmup_steps, config.num_gpus) == (None, 4, 5, 8)
+    assert command.run(args) == 0
+    out = capsys.readouterr().out
+    assert "pipeline+overlap" in out and "speed-up" in out
+    result = json.loads((tmp_path / "sim.json").read_text())
+    assert set(result["modes"]) == {"sync", "pipeline", "pipeline+overlap"}
+    assert result["config"]["problems_per_step"] == 8 and result["speedup"]["sync"] == 1.0
+
+
+def test_command_reports_bad_values_and_the_missing_real_mode(capsys):
+    command, args = _cli_args("--simulate", "--set", "group_size=0")
+    assert command.run(args) == 2
+    assert "group_size=0" in capsys.readouterr().err
+    command, args = _cli_args()
+    try:
+        import megatron_marsrl.rl.bench_real  # noqa: F401
+    except ModuleNotFoundError:
+        assert command.run(args) == 2
+        assert "use --simulate" in capsys.readouterr().err
+
+
+def test_cli_subprocess_prints_json():
+    from megatron_marsrl.cli import SUBCOMMANDS
+
+    if "bench pipeline" not in SUBCOMMANDS:
+        pytest.skip("'bench pipeline' is not registered in megatron_marsrl/cli.py yet")
+    proc = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "bench", "pipeline", "--simulate", "--json", "-",
+                           "--gpus", "8", "--gpus-per-engine", "4", "--gpus-per-replica", "2", "--problems", "4",
+                           "--mean-tokens", "1000", "--max-tokens", "4096", "--segment-tokens", "1024", "--steps", "2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["speedup"]["pipeline"] > 1.0 and result["derived"]["dp_size"] == 4
