@@ -37,7 +37,10 @@ def tiny_arithmetic() -> TrainConfig:
         optim=OptimConfig(lr=3e-3, clip_grad=1.0),
         engine=RolloutEngineConfig(kind="hf", max_total_tokens=128),
         # 8 new problems per step, G=8, k=2 inputs per later stage, S=3 (Solver, Verifier, Corrector).
+        # The format penalty matters with one shared policy: without it the Verifier's easy
+        # reward ("no" is usually right) teaches the shared model to answer "no" everywhere.
         rollout=RolloutConfig(group_size=8, inputs_per_stage=2, max_stages=3, selection="adaptive",
+                              format_penalty=0.5,
                               sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=3)),
         pipeline=PipelineConfig(mode="pipeline", problems_per_step=8),
         scheduler=SchedulerConfig(token_budget=256),

@@ -76,6 +76,10 @@ class RolloutDriver:
         """Run a coroutine (e.g. an evaluation) on the rollout thread's loop and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def call_soon(self, fn) -> None:
+        """Run `fn()` on the rollout thread (asyncio objects are not thread-safe)."""
+        self._loop.call_soon_threadsafe(fn)
+
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

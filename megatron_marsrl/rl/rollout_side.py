@@ -95,6 +95,10 @@ class RolloutSide:
         self.stream.load_state_dict(state["data"])
         self.driver.load_state_dict(state["driver"])
 
+    def abort(self) -> None:
+        """Cancel the running step's requests (on the rollout thread, which owns them)."""
+        self.driver.call_soon(lambda: [pool.abort() for pool in self.pools.values()])
+
     def close(self) -> None:
         if getattr(self, "driver", None) is not None:
             self.driver.close()

@@ -59,11 +59,15 @@ class Trainer:
         self.probe_tolerance = 1e-3 if dtype == torch.float32 else 0.5
         self.rollout = None
         if self.rank == 0:
+            # The embedded engine samples in a background thread through torch's global CPU RNG;
+            # Megatron's RNG tracker notices the change on every forward and warns. Training
+            # draws no random numbers (no dropout), so the warning carries no information here.
+            logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
             from megatron_marsrl.rl.rollout_side import RolloutSide
 
             self.rollout = RolloutSide(config, str(self.hf_dir))
         self.start_step = 0
-        self._stop_signal = None
+        self._stop_signal, self._stop_time = None, 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if resume:
@@ -92,11 +96,15 @@ class Trainer:
         return path
 
     def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:  # second signal: stop now
-            raise KeyboardInterrupt
-        self._stop_signal = signal.Signals(signum).name
-        log.warning("%s received: finishing this step, saving a checkpoint, then exiting "
-                    "(send it again to stop at once)", self._stop_signal)
+        # torchrun and Slurm forward the signal to every rank, often a second time right away:
+        # only a repeat after a few seconds means "stop now, without a checkpoint".
+        if self._stop_signal is not None:
+            if time.monotonic() - self._stop_time > 5:
+                raise KeyboardInterrupt
+            return
+        self._stop_signal, self._stop_time = signal.Signals(signum).name, time.monotonic()
+        log.warning("%s received: stopping the running step, saving a checkpoint, then exiting "
+                    "(the step is redone on --resume; send the signal again to stop at once)", self._stop_signal)
 
     def stop_requested(self) -> bool:
         """True on every rank when any rank got SIGTERM/SIGINT."""
@@ -125,7 +133,7 @@ class Trainer:
             while (msg := self._broadcast())[0] == "round":
                 self._run_round(msg[1], msg[2], acc)
             if msg[0] == "abort":
-                raise StepAborted(f"rank 0 aborted step {step}: {msg[1]}")
+                raise StepAborted(f"rank 0 stopped step {step}: {msg[1]}", by_signal=msg[2])
         return samples, {**self._reduce(acc), **timing}
 
     def _lead_step(self, step: int, acc: "_MetricSums") -> tuple[list[Sample], dict]:
@@ -139,7 +147,7 @@ class Trainer:
         try:
             while True:
                 wait = time.perf_counter()
-                unit = self.rollout.driver.next_unit()
+                unit = self._next_unit()
                 t["idle"] += time.perf_counter() - wait
                 if unit is None:
                     rollout_done = time.perf_counter()
@@ -149,8 +157,10 @@ class Trainer:
                     sched.add_group(group_items)
                 t["train_during_rollout"] += self._train_rounds(sched.pop_ready(), seqs, acc, t)
         except Exception as exc:
-            self._broadcast(("abort", f"{type(exc).__name__}: {exc}"))
-            raise StepAborted(f"step {step} failed: {type(exc).__name__}: {exc}") from exc
+            by_signal = isinstance(exc, _Interrupted)
+            self._broadcast(("abort", f"{type(exc).__name__}: {exc}", by_signal))
+            self.rollout.abort()
+            raise StepAborted(f"step {step} stopped: {type(exc).__name__}: {exc}", by_signal=by_signal) from exc
         self._train_rounds(sched.finish_step(), seqs, acc, t)
         self._broadcast(("end",))
         total = time.perf_counter() - start
@@ -159,6 +169,18 @@ class Trainer:
                          "time/overlap_fraction": t["train_during_rollout"] / t["train"] if t["train"] else 0.0,
                          "time/rollout_and_train": total,
                          "_advantages": advantages}
+
+    def _next_unit(self) -> list[Group] | None:
+        """The driver's next unit, polling for a stop signal while waiting."""
+        import queue
+
+        while True:
+            if self._stop_signal:
+                raise _Interrupted(self._stop_signal)
+            try:
+                return self.rollout.driver.next_unit(timeout=0.5)
+            except queue.Empty:
+                continue
 
     def _prepare_unit(self, unit: list[Group], seqs: dict, advantages: dict, samples: list) -> list[list[SeqItem]]:
         """Advantages of one unit (all its groups pool within one problem), training sequences,
@@ -339,7 +361,16 @@ class Trainer:
 
 
 class StepAborted(RuntimeError):
-    """A step could not finish (e.g. the engines failed after their retries); raised on every rank."""
+    """A step could not finish (a stop signal, or engines that failed after their retries);
+    raised on every rank. The weights were not updated, so the step can be redone."""
+
+    def __init__(self, message: str, *, by_signal: bool = False):
+        super().__init__(message)
+        self.by_signal = by_signal
+
+
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT arrived while the step was generating."""
 
 
 class _NullObserver:

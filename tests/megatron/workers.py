@@ -90,3 +90,54 @@ def continued_losses(hf_dir: str) -> float:
     """Loss of the step after :func:`save_trained`'s steps, without saving (world size 1)."""
     ddp, optimizer, arch = _train(hf_dir, {}, 2)
     return _steps(ddp, optimizer, arch, 1, seed=99)[0]
+
+
+def streamed_vs_step(hf_dir: str, layout: dict, steps: int = 2) -> float | None:
+    """Train two copies on the same data: one with train_step (all micro-batches in one
+    schedule), one micro-batch at a time in shuffled order with the sync deferred to
+    finish_accumulation and sum-form losses rescaled by the step's token count. Returns the
+    max |logit difference| afterwards (last pipeline stage; None elsewhere)."""
+    import random
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_marsrl.megatron.forward import backward_micro_batch, finish_accumulation, train_step
+    from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
+    from megatron_marsrl.megatron.model import build_model
+    from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+
+    arch, parallel, model_a = _setup(hf_dir, layout)
+    model_b = build_model(arch, parallel)
+    load_hf_weights(model_b, arch, hf_dir)
+    opt = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)
+    ddp_a, opt_a = wrap_ddp_and_optimizer(model_a, opt)
+    ddp_b, opt_b = wrap_ddp_and_optimizer(model_b, opt)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(42)
+    for step in range(steps):
+        batch = torch.randint(0, arch.vocab_size, (4, 16), generator=gen)
+        micro = [{"tokens": row[None]} for row in batch.chunk(dp)[dp_rank]]
+        train_step(ddp_a, opt_a, micro, lambda logp, b: (-logp.mean(), {}))
+        order = list(range(len(micro)))
+        random.Random(step * 10 + dp_rank).shuffle(order)
+        for i in order:
+            backward_micro_batch(ddp_b, micro[i], lambda logp, ent, b: (-logp.sum(), {}))
+        finish_accumulation(ddp_b, opt_b, grad_scale=dp / (batch.shape[0] * (batch.shape[1] - 1)))
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    a, b = full_logits(ddp_a.module, tokens), full_logits(ddp_b.module, tokens)
+    return None if a is None else float((a - b).abs().max())
+
+
+def entropy_matches_reference(hf_dir: str, layout: dict) -> float:
+    """|vocab-parallel entropy - full-softmax entropy| on random logits split over TP."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_marsrl.megatron.forward import vocab_parallel_entropy
+
+    _setup(hf_dir, layout)
+    full = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3
+    full[..., -3:] = float("-inf")  # TP vocabulary padding
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    mine = full.chunk(tp, dim=-1)[rank]
+    ref = torch.distributions.Categorical(logits=full).entropy()
+    return float((vocab_parallel_entropy(mine) - ref).abs().max())

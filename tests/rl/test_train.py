@@ -1,0 +1,175 @@
+"""`marsrl train` end to end on CPU: 2 gloo ranks (EP2), real Megatron-core, real engines.
+
+Each test runs the command as a user would (it re-executes itself under torchrun).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROLES = ("solver", "verifier", "corrector")
+
+
+def _cmd(run_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", "tiny_arithmetic",
+            f"run.output_dir={run_dir}", "run.progress=false", *args]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def train(run_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(run_dir, *args), capture_output=True, text=True, timeout=timeout, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """Training-step records of metrics.jsonl by step (evaluation records excluded)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/loss" in record:
+            out[record["step"]] = record
+    return out
+
+
+def eval_metrics(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if any(k.startswith("eval/") for k in record):
+            out[record["step"]] = record
+    return out
+
+
+def tensorboard_tags(run_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+def _check_steps(run_dir: Path, steps: int) -> dict[int, dict]:
+    metrics = step_metrics(run_dir)
+    assert sorted(metrics) == list(range(1, steps + 1))
+    for m in metrics.values():
+        assert math.isfinite(m["train/loss"]) and math.isfinite(m["shared/grad_norm"])
+        assert m["shared/update_skipped"] == 0.0
+        for role in ROLES[:2]:
+            assert -0.5 <= m[f"rollout/{role}/reward_mean"] <= 1.0
+        # the engine was given exactly the trained weights: its log-probs equal Megatron's
+        assert m["shared/sync_probe_mismatch"] < 1e-4
+        assert m["train/mismatch_abs"] < 1e-4
+    return metrics
+
+
+def test_train_end_to_end_embedded_engine(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=3")
+    metrics = _check_steps(run, 3)
+    assert metrics[3]["rollout/pending_stage_inputs"] > 0  # the pipeline carries stage inputs over
+    assert metrics[3]["rollout/corrector/samples"] > 0  # every stage ran by step 3
+    tags = tensorboard_tags(run)
+    for role in ROLES:
+        for name in ("reward_mean", "accuracy", "response_len", "advantage_std"):
+            assert f"rollout/{role}/{name}" in tags
+        assert f"train/{role}/mismatch_abs" in tags and f"train/{role}/entropy" in tags
+        assert f"eval/{role}/reward_mean" in tags
+    for tag in ("train/loss", "train/pg_loss", "train/clip_high_fraction", "shared/grad_norm", "time/rollout",
+                "time/train", "time/sync", "time/overlap_fraction", "time/train_idle_fraction",
+                "throughput/rollout_tokens_per_s", "rollout/verifier/precision", "rollout/verifier/recall"):
+        assert tag in tags, tag
+    assert (run / "checkpoints" / "step_000003" / "trainer_state.json").is_file()  # saved at the end
+    assert (run / "config.json").is_file()
+    assert f"tensorboard --logdir {run / 'tensorboard'}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_with_sglang_engine(tmp_path):
+    run = tmp_path / "run"
+    train(run, "--engine", "sglang", "run.steps=2", "run.checkpoint_every=0", timeout=900)
+    _check_steps(run, 2)
+
+
+@pytest.mark.slow
+def test_resume_continues_like_an_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(full, "run.steps=4", "run.checkpoint_every=2")
+    train(part, "run.steps=2", "run.checkpoint_every=2")
+    train(part, "run.steps=4", "run.checkpoint_every=2", "--resume")
+    a, b = step_metrics(full), step_metrics(part)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (3, 4):
+        for key in ("rollout/samples", "rollout/pending_stage_inputs",
+                    *(f"rollout/{r}/reward_mean" for r in ROLES), *(f"rollout/{r}/response_len" for r in ROLES)):
+            assert b[step][key] == a[step][key], (step, key)
+        for key in ("train/loss", "train/entropy", "shared/grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    # SIGTERM: no periodic checkpoints, so one exists only if the signal handler saved it.
+    proc = subprocess.Popen(_cmd(run, "run.steps=50", "run.checkpoint_every=0"), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _wait_for(lambda: len(step_metrics(run)) >= 1 if (run / "metrics.jsonl").exists() else False, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    saved = sorted(p.name for p in ckpts.glob("step_*"))
+    assert len(saved) == 1, out[-3000:]
+    stopped_at = int(saved[0].split("_")[1])
+    assert stopped_at == max(step_metrics(run))  # it finished the running step, then saved
+
+    # SIGKILL mid-run: the resumed run starts from the newest complete checkpoint.
+    proc = subprocess.Popen(_cmd(run, "run.steps=50", "run.checkpoint_every=1", "--resume"), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for(lambda: max(step_metrics(run)) >= stopped_at + 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    (ckpts / f".step_{stopped_at + 99:06d}.partial").mkdir()  # as if killed while saving
+    last = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*") if (p / "trainer_state.json").exists())
+    assert last >= stopped_at + 1
+    train(run, f"run.steps={last + 1}", "run.checkpoint_every=1", "--resume")
+    resumed = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if "train/loss" in line]
+    assert resumed[-1] == last + 1  # exactly the one step after the last complete checkpoint
+    assert not list(ckpts.glob(".*.partial"))  # the next save cleared the leftover
+
+
+def _wait_for(condition, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}")
+        try:
+            if condition():
+                return
+        except (ValueError, json.JSONDecodeError, FileNotFoundError):
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("timed out waiting for training progress")
+
+
+@pytest.mark.slow
+def test_embedded_recipe_raises_every_role_reward_on_held_out_problems(tmp_path):
+    """The README's main job: rewards of every role on held-out problems, before vs after."""
+    run = tmp_path / "run"
+    train(run, "run.checkpoint_every=0", timeout=1200)
+    evals = eval_metrics(run)
+    first, last = evals[0], evals[max(evals)]
+    for role in ROLES:
+        assert last[f"eval/{role}/reward_mean"] > first[f"eval/{role}/reward_mean"] + 0.1, role
