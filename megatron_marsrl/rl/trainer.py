@@ -294,6 +294,14 @@ class Trainer:
                     "throughput/train_tokens_per_s": trained / max(metrics.get("time/train", 0.0), 1e-9),
                     "time/train_idle_fraction": metrics.get("time/train_idle", 0.0) / step_time,
                     "rollout/samples": len(samples), "rollout/pending_stage_inputs": len(self.rollout.driver.pending)})
+        # Raw per-step figures for `marsrl bench throughput` (tokens/s/GPU, MFU): the lengths of
+        # the sequences trained (those with a response), and the devices of each side.
+        lengths = [len(s.prompt_token_ids or []) + len(s.response_token_ids) for s in samples if s.response_token_ids]
+        out.update({"tokens/generated": generated, "tokens/trained": sum(lengths),
+                    "tokens/max_seq_len": max(lengths, default=0),
+                    "tokens/attended_len": sum(n * n for n in lengths) / max(sum(lengths), 1),
+                    "world/train_gpus": dist.get_world_size(),
+                    "world/rollout_gpus": self.config.engine.num_engines * self.config.engine.tp_size})
         return out
 
     # ---- update, sync, evaluate, checkpoint ---------------------------------------------------
