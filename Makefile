@@ -1,6 +1,6 @@
 # All targets run inside the environment that scripts/env.sh creates outside the
 # checkout (keyed by the pins in requirements/) and reuses on later runs.
-.PHONY: env env-path test test-fast run bench-convert
+.PHONY: env env-path test test-fast run selfcheck bench-convert
 
 env:
 	@scripts/env.sh >/dev/null
@@ -16,8 +16,11 @@ test:
 test-fast:
 	@scripts/test.sh -m "not slow"
 
-# The embedded CPU main job.
+# The embedded CPU main job: RL training of the three roles on 2 CPU ranks (a few minutes).
 run:
+	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$$env/bin/marsrl" train --recipe tiny_arithmetic run.output_dir=outputs/tiny_arithmetic-$$(date +%Y%m%d-%H%M%S)
+
+selfcheck:
 	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} "$$env/bin/marsrl" selfcheck
 
 bench-convert:

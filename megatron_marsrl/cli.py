@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench rollout": ("megatron_marsrl.commands.bench_rollout", "generated tokens/s of the embedded and SGLang engines, side by side"),
     "train": ("megatron_marsrl.commands.train", "RL training of the Solver-Verifier-Corrector system (a recipe + key=value overrides)"),
     "bench pipeline": ("megatron_marsrl.commands.bench_pipeline", "agentic pipeline + overlapping scheduler vs synchronous RL steps (real run, or --simulate at cluster scale)"),
+    "bench throughput": ("megatron_marsrl.commands.bench_throughput", "end-to-end RL step benchmark: tokens/s/GPU (rollout, train), step time parts, weight sync, train MFU (one JSON record)"),
     "solve": ("megatron_marsrl.agents.solve_cli", "run the Solver-Verifier-Corrector loop on a problem or a JSONL file"),
     "eval": ("megatron_marsrl.agents.eval_cli", "avg@k / pass@k of solver-only and the whole system on a JSONL dataset"),
 }

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -161,7 +160,6 @@ class GroupedRollout:
         self.roles, self.generators, self.config = roles, generators, config
         self.counter = counter if counter is not None else ParseCounter()
         self.selector = get_selector(config.selection)
-        self._ids = itertools.count()
         self.salt = ""
         """Mixed into group ids and sampling seeds (the trainer sets the step), so a resumed run
         samples exactly what an uninterrupted one would."""
@@ -169,10 +167,10 @@ class GroupedRollout:
     async def stage(self, problem: Problem, turn: int, inputs: Sequence[Sample] = ()) -> list[Group]:
         """One async step: a group of G for each input (the Solver: one group, no input)."""
         if turn == 0:
-            return [await self._group(problem, 0, None)]
+            return [await self._group(problem, 0, None, 0)]
         if not inputs:
             raise ValueError(f"stage {stage_of(turn)[1]} of problem {problem.id} needs at least one input")
-        return list(await asyncio.gather(*(self._group(problem, turn, parent) for parent in inputs)))
+        return list(await asyncio.gather(*(self._group(problem, turn, parent, i) for i, parent in enumerate(inputs))))
 
     def next_stage(self, problem: Problem, turn: int, groups: Sequence[Group]) -> PendingStage | None:
         """The inputs chosen from `groups` (stage `turn`) for stage turn+1, or None when the trajectory ends."""
@@ -209,11 +207,13 @@ class GroupedRollout:
         per_problem = await asyncio.gather(*(one(p) for p in problems))
         return [g for groups in per_problem for g in groups]
 
-    async def _group(self, problem: Problem, turn: int, parent: Sample | None) -> Group:
+    async def _group(self, problem: Problem, turn: int, parent: Sample | None, index: int) -> Group:
         slot, stage = stage_of(turn)
         role = getattr(self.roles, slot)
         inputs = _inputs(problem, slot, parent)
-        group_id = f"{problem.id}/{stage}/{self.salt}g{next(self._ids)}"
+        # Ids (and the seeds derived from them) depend only on what the group answers, never on
+        # timing or on how many groups ran before: a resumed run names and samples the same.
+        group_id = f"{problem.id}/{stage}/{self.salt}t{turn}g{index}"
         key = f"{self.config.seed}:{self.salt}:{problem.id}:{turn}:{parent.sample_id if parent else ''}"
         sampling = dataclasses.replace(self.config.sampling, seed=zlib.crc32(key.encode()))
         outputs = await call_role(role, self.generators[slot], inputs, sampling,

@@ -4,6 +4,7 @@ the overlapping micro-batch scheduler.
     marsrl bench pipeline --simulate                        # 64 x H100, Qwen3-30B-A3B, MarsRL recipe
     marsrl bench pipeline --simulate --rollout-gpus 40 --segment-tokens 0 --json out.json
     marsrl bench pipeline --simulate --set length_sigma=1.5 --set continue_fraction=0.6
+    marsrl bench pipeline --steps 6                          # measured: tiny_arithmetic, 3 modes
 
 --simulate projects the figures with the discrete-event model of megatron_marsrl.rl.simulate
 (every assumption is a SimConfig field: the flags below set the main ones, --set any of them).
@@ -34,7 +35,7 @@ _FLAGS = {
     "--train-tps": ("train_tokens_per_s_per_gpu", float, "training tokens/s per GPU (default 4000)"),
     "--gpus-per-replica": ("train_gpus_per_replica", int, "GPUs per data-parallel training replica (default 8)"),
     "--weight-sync-s": ("weight_sync_s", float, "optimizer step + weight sync seconds per step (default 20)"),
-    "--steps": ("measured_steps", int, "measured steps per mode (default 8)"),
+    "--steps": ("measured_steps", int, "steps per mode (default 8 simulated, 6 measured)"),
     "--seed": ("seed", int, "random seed (default 0)"),
 }
 
@@ -48,6 +49,10 @@ def add_arguments(parser) -> None:
     sim.add_argument("--separate-policies", action="store_true", help="one policy per role instead of a shared one")
     sim.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="set any SimConfig field (repeatable), e.g. --set continue_fraction=0.6")
+    real = parser.add_argument_group("measured (default)")
+    real.add_argument("--recipe", default="tiny_arithmetic", help="recipe every mode trains (default tiny_arithmetic)")
+    real.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="train config override applied to every mode (repeatable)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file ('-': stdout only)")
 
 
@@ -64,7 +69,7 @@ def run(args) -> int:
         print("error: measuring the real pipeline needs megatron_marsrl.rl.bench_real, which is not installed "
               "in this checkout; use --simulate for the projected figures", file=sys.stderr)
         return 2
-    return int(run_real(args) or 0)
+    return guarded(lambda: int(run_real(args) or 0))
 
 
 def sim_config_from_args(args):

@@ -3,6 +3,7 @@
     marsrl train --recipe tiny_arithmetic                      # launches its 2 CPU ranks itself
     marsrl train --recipe tiny_arithmetic run.steps=10 engine.kind=sglang
     marsrl train --recipe tiny_arithmetic --resume             # continue from the last checkpoint
+    marsrl train --recipe qwen3_30b_a3b_h100x16 --nodes 2 --dry-run   # layout + per-GPU memory, no GPU
     torchrun --nproc-per-node 8 -m megatron_marsrl.cli train --recipe my.pkg:recipe
 
 Without torchrun's environment, the command re-executes itself under torchrun with as many
@@ -27,7 +28,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="ranks to launch when not under torchrun (default: the layout's minimum)")
+                        help="ranks to launch when not under torchrun (default: the layout's minimum); "
+                             "GPUs per node for --dry-run (default 8)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the layout and print the per-GPU memory estimate, then exit "
+                             "(no GPU, no Megatron, no engine); exit 2 when it does not fit")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster, for --dry-run (default 1)")
 
 
 def resolve_config(args):
@@ -54,6 +60,8 @@ def _train(args) -> int:
     if args.print_config:
         print(json.dumps(config_to_dict(config), indent=2))
         return 0
+    if args.dry_run:
+        return _dry_run(args, config)
     if "WORLD_SIZE" not in os.environ:
         return _relaunch(args, config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,6 +73,19 @@ def _train(args) -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "metrics"}), flush=True)
         print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}",
               flush=True)
+    return 0
+
+
+def _dry_run(args, config) -> int:
+    """Print the layout check and memory plan of `config` (megatron_marsrl.rl.dry_run)."""
+    from megatron_marsrl.rl.dry_run import plan
+
+    result = plan(config, nodes=args.nodes, gpus_per_node=args.nproc_per_node or 8)
+    print(result.report)
+    print(result.verdict, flush=True)
+    if result.problems:
+        print("error: " + "; ".join(result.problems), file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,21 +21,27 @@ def _run_schedule(model, micro_batches: list[dict], step: Callable, *, forward_o
     loss functions reported (last pipeline stage only; [] elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_marsrl.megatron.routing_replay import ROUTED_EXPERTS_KEY, routing_replay, set_routed_experts
+
     batches = iter(micro_batches)
 
     def forward_step(data_iterator, chunk):
-        return step(chunk, next(data_iterator))
+        batch = next(data_iterator)
+        # MoE routing replay: the engine's experts for this micro-batch (None: the router's own).
+        set_routed_experts(chunk, batch.get(ROUTED_EXPERTS_KEY))
+        return step(chunk, batch)
 
     seq = max(b["tokens"].shape[1] for b in micro_batches)
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=batches,
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq,
-        micro_batch_size=micro_batches[0]["tokens"].shape[0],
-        forward_only=forward_only,
-    )
+    with routing_replay(model):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=micro_batches[0]["tokens"].shape[0],
+            forward_only=forward_only,
+        )
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -90,12 +96,14 @@ def _broadcast_from_last_stage(values: list[torch.Tensor], shapes: list[torch.Si
     return values
 
 
-def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: float = 1.0) -> list[torch.Tensor]:
+def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: float = 1.0,
+                   routed_experts: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """Log-probabilities of ``tokens[:, 1:]`` given the prefix, for each micro-batch.
 
     Returns one fp32 tensor ``[b, seq-1]`` per micro-batch on every rank (TP ranks via the
     vocab-parallel cross entropy, PP ranks by broadcast from the last stage). ``temperature``
-    divides the logits first, matching how the rollout engine sampled.
+    divides the logits first, matching how the rollout engine sampled. ``routed_experts``
+    (one per micro-batch, or None) replays the engine's MoE routing (routing_replay.py).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -114,7 +122,8 @@ def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: flo
         return logits, loss_func
 
     with torch.no_grad():
-        data = [{"tokens": t.to(_device())} for t in micro_batches]
+        routed = routed_experts or [None] * len(micro_batches)
+        data = [{"tokens": t.to(_device()), "routed_experts": r} for t, r in zip(micro_batches, routed, strict=True)]
         out = _run_schedule(model, data, step, forward_only=True)
     values = [d["logprobs"] for d in out]
     return _broadcast_from_last_stage(values, [torch.Size((t.shape[0], t.shape[1] - 1)) for t in micro_batches])
@@ -144,7 +153,8 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
     """One optimizer step over ``micro_batches`` (gradients accumulated, synced once).
 
     ``loss_fn(logprobs [b, s-1], batch) -> (loss scalar, metrics dict)`` gets the per-token
-    log-probs of ``batch["tokens"][:, 1:]`` (temperature ``batch.get("temperature", 1)``).
+    log-probs of ``batch["tokens"][:, 1:]`` (temperature ``batch.get("temperature", 1)``;
+    optional ``batch["routed_experts"]`` replays MoE routing, see routing_replay.py).
     Returns the averaged metrics, ``grad_norm`` and whether the update was applied.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -203,6 +213,7 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     This is what lets the RL trainer train a group as soon as it is generated while other
     groups are still being sampled: any number of these calls, in any order, then one sync.
     ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch) -> (loss, metrics)``.
+    An optional ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py).
     Returns the metrics (floats) on every rank.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

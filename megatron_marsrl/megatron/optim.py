@@ -22,6 +22,11 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
+    cpu_offload_fraction: float = 0.0
+    """Share (0..1) of the optimizer state (fp32 main params, Adam moments) kept in host memory
+    and updated there by Megatron's HybridDeviceOptimizer (its optimizer_cpu_offload with
+    optimizer_offload_fraction). 0 keeps everything on the GPU. Needs the distributed optimizer
+    (parallel.distributed_optimizer=true), optimizer "adam" and CUDA."""
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd"):
@@ -30,6 +35,12 @@ class OptimConfig:
             raise ValueError(f"lr={self.lr}: must be > 0")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad={self.clip_grad}: must be >= 0")
+        if not 0.0 <= self.cpu_offload_fraction <= 1.0:
+            raise ValueError(f"cpu_offload_fraction={self.cpu_offload_fraction}: must be in [0, 1]")
+        if self.cpu_offload_fraction > 0 and self.optimizer != "adam":
+            # Megatron's offload runs on the precision-aware optimizer path, which is Adam-only.
+            raise ValueError(f"cpu_offload_fraction={self.cpu_offload_fraction} needs optimizer='adam', "
+                             f"not {self.optimizer!r}")
 
 
 def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: bool = False):
@@ -38,6 +49,7 @@ def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    offload = _offload_options(optim, distributed_optimizer)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -62,9 +74,26 @@ def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: 
         use_distributed_optimizer=distributed_optimizer,
         bf16=model.config.bf16,
         params_dtype=model.config.params_dtype,
+        **offload,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp_model])
     return ddp_model, optimizer
+
+
+def _offload_options(optim: OptimConfig, distributed_optimizer: bool) -> dict:
+    """OptimizerConfig fields for optimizer CPU offload (megatron-core 0.19 names); {} without it."""
+    fraction = optim.cpu_offload_fraction
+    if fraction == 0:
+        return {}
+    if not distributed_optimizer:
+        raise ValueError(f"optim.cpu_offload_fraction={fraction} needs parallel.distributed_optimizer=true "
+                         "(Megatron offloads the distributed optimizer's shards)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"optim.cpu_offload_fraction={fraction}: optimizer CPU offload moves state between "
+                         "GPU and host and needs CUDA; set optim.cpu_offload_fraction=0 on a CPU-only machine")
+    # Megatron's own argument check requires the precision-aware optimizer with offload: the
+    # HybridDeviceOptimizer reuses that code path in the distributed optimizer.
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True)
 
 
 def default_dtype() -> torch.dtype:

@@ -32,6 +32,10 @@ class ModelConfig:
     """"auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
     moe_aux_loss_coeff: float = 0.0
     """Megatron's MoE load-balancing loss weight (MarsRL trains without one: 0)."""
+    arch: dict = field(default_factory=dict)
+    """The model's HF config.json values, for planning without the checkpoint: `marsrl train
+    --dry-run` reads the architecture from model.path/config.json when that file exists, else
+    from this mapping (recipes for large models embed it); training always reads the file."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -16,6 +16,7 @@ from megatron_marsrl.algorithms.losses import PolicyLossConfig
 from megatron_marsrl.megatron.optim import OptimConfig
 from megatron_marsrl.megatron.parallel import ParallelConfig
 from megatron_marsrl.rl.config import ModelConfig, PipelineConfig, RunConfig, TaskConfig, TrainConfig
+from megatron_marsrl.rl.recipes_qwen3 import QWEN3_RECIPES
 from megatron_marsrl.rl.scheduler import SchedulerConfig
 from megatron_marsrl.rollout.factory import RolloutEngineConfig
 
@@ -50,6 +51,7 @@ def tiny_arithmetic() -> TrainConfig:
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {"tiny_arithmetic": tiny_arithmetic}
+RECIPES.update(QWEN3_RECIPES)  # qwen3_30b_a3b_h100x{8,16,32,64}: megatron_marsrl/rl/recipes_qwen3.py
 
 
 def get_recipe(spec: str) -> TrainConfig:

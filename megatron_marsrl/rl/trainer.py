@@ -46,6 +46,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, resume: bool = False):
         self.config = config
         self.run_dir = Path(config.run.output_dir)
+        if not resume and checkpoint.latest(self.run_dir) is not None:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints of a run: pass --resume to continue "
+                                  "it, or choose another run.output_dir (nothing was changed)")
         self.hf_dir = self._initial_model()
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)

@@ -39,6 +39,9 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling: EngineSampling = dataclasses.field(default_factory=EngineSampling)
     rid: str = ""
+    return_routed_experts: bool = False
+    """MoE models: also return the experts each token was routed to (for routing replay in the
+    trainer). SGLang engines must be started with enable_return_routed_experts=True."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,6 +54,12 @@ class EngineOutput:
     finish_reason: str
     """"stop" (a stop/EOS token), "length" (max_new_tokens) or "abort"."""
     weight_version: int
+    routed_experts: torch.Tensor | None = None
+    """With ``return_routed_experts``: int32 ``[len(prompt_ids) + len(output_ids) - 1, layers,
+    top_k]``, row i = the global expert ids token i of prompt+output was routed to in each
+    decoder layer (the last output token is never fed to the model, so it has no row). Rows
+    of dense layers hold no routing (-1 from the embedded engine, 0 from SGLang). None if not
+    asked for or the request was aborted."""
 
 
 class RolloutEngine(Protocol):

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineSampling
+from megatron_marsrl.rollout.routed_experts import RoutedExpertsRecorder, left_padded_rows
 
 # transformers 5 keeps Qwen3-MoE experts fused in memory (experts.gate_up_proj [E, 2I, H],
 # experts.down_proj [E, H, I]) while checkpoints (and our export) name them per expert.
@@ -51,9 +52,23 @@ class TransformersEngine:
         order = sorted(range(len(requests)), key=lambda i: _sampling_key(requests[i].sampling))
         for _, group in groupby(order, key=lambda i: _sampling_key(requests[i].sampling)):
             idx = list(group)
-            for i, out in zip(idx, self._generate_batch([requests[i] for i in idx])):
+            for i, out in zip(idx, self._generate_recording([requests[i] for i in idx])):
                 outputs[i] = out
         return [outputs[i] for i in range(len(requests))]
+
+    def _generate_recording(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        """One batch; with hooks on the MoE routers when a request asks for routed experts."""
+        if not any(r.return_routed_experts for r in requests):
+            return self._generate_batch(requests)
+        with RoutedExpertsRecorder(self.model, self.config.num_hidden_layers) as recorder:
+            outs = self._generate_batch(requests)
+        routed = recorder.take(len(requests))
+        width = max(len(r.prompt_ids) for r in requests)  # _generate_batch left-pads to this width
+        for row, (req, out) in enumerate(zip(requests, outs)):
+            if req.return_routed_experts:
+                out.routed_experts = left_padded_rows(routed, row, width=width, prompt_len=len(req.prompt_ids),
+                                                      output_len=len(out.output_ids))
+        return outs
 
     def _check_request(self, req: EngineRequest) -> None:
         if not req.prompt_ids:
@@ -83,17 +98,14 @@ class TransformersEngine:
         # own generator, so its tokens do not depend on which requests ran before it.
         seeded = len(requests) == 1 and sampling.seed is not None
         generator = torch.Generator().manual_seed(sampling.seed & (2**63 - 1)) if seeded else self._generator
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(generator.get_state())
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p,
-                top_k=None if greedy or sampling.top_k < 0 else sampling.top_k,
-                max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stops) or None,
-                pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-            if not seeded:
-                self._generator.set_state(torch.get_rng_state())
+        # Sampling never touches torch's global RNG: the trainer runs Megatron in another thread
+        # at the same time, and its RNG tracker saves/restores the global state around forwards.
+        # Gumbel-max over the filtered logits is an exact draw from softmax(logits / T).
+        processors = [] if greedy else [_GumbelSampler(sampling, generator)]
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, logits_processor=processors,
+            max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stops) or None,
+            pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
         new = out.sequences[:, width:]
         scale = 1.0 if greedy else sampling.temperature
         logp = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
@@ -156,3 +168,25 @@ class TransformersEngine:
 
 def _sampling_key(s: EngineSampling) -> tuple:
     return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(sorted(s.stop_token_ids)), s.seed)
+
+
+class _GumbelSampler:
+    """Logits processor: temperature, top-k, top-p, then Gumbel noise from our own generator,
+    so that transformers' greedy decoding picks an exact sample."""
+
+    def __init__(self, sampling: EngineSampling, generator: torch.Generator):
+        self.sampling, self.generator = sampling, generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        scores = scores.float() / s.temperature
+        if s.top_k > 0 and s.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if s.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+            drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > s.top_p  # keep the first over p
+            scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(1e-20, 1.0)
+        return scores - torch.log(-torch.log(uniform))

@@ -7,6 +7,11 @@ SGLang's begin/update/end session, which 0.5.23 requires, with one flattened buc
 
 Log-probs: SGLang reports output tokens under logits / temperature (as Megatron recomputes
 them) but prompt tokens at temperature 1, so :meth:`score` only scores at temperature 1.
+
+Routed experts (MoE routing replay): with ``enable_return_routed_experts=True`` SGLang's
+scheduler records every token's top-k expert ids and requests with ``return_routed_experts``
+get them back (rollout/routed_experts.py). On CPU this needs the plugin in sglang_cpu_shim/
+(SGLang pins the capture buffer with cudaHostRegister, which has no driver there).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Iterable
 import torch
 
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
+from megatron_marsrl.rollout.routed_experts import decode_sglang, experts_layout
 
 SHIM_DIR = Path(__file__).resolve().parent / "sglang_cpu_shim"
 
@@ -41,7 +47,8 @@ class SGLangEngine:
     """One SGLang engine over a HF checkpoint directory."""
 
     def __init__(self, model_dir: str, *, max_total_tokens: int = 16384, dtype: str = "auto", seed: int = 0,
-                 tp_size: int = 1, mem_fraction_static: float | None = None, **server_args):
+                 tp_size: int = 1, mem_fraction_static: float | None = None,
+                 enable_return_routed_experts: bool = False, **server_args):
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             prepare_cpu_environment()
@@ -54,6 +61,9 @@ class SGLangEngine:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         if mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = mem_fraction_static
+        if enable_return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
+        self.experts_layout = experts_layout(model_dir)
         self.max_total_tokens = max_total_tokens
         self.weight_version = 0
         self._tp_size = tp_size
@@ -67,8 +77,9 @@ class SGLangEngine:
                                  f"{req.sampling.max_new_tokens} must be in 1..max_total_tokens={self.max_total_tokens}")
         params = [_sampling_params(r) for r in requests]
         outs = self._engine.generate(input_ids=[list(r.prompt_ids) for r in requests], sampling_params=params,
-                                     return_logprob=True)
-        return [to_record(r, o, self.weight_version) for r, o in zip(requests, outs)]
+                                     return_logprob=True,
+                                     return_routed_experts=any(r.return_routed_experts for r in requests))
+        return [to_record(r, o, self.weight_version, experts_layout=self.experts_layout) for r, o in zip(requests, outs)]
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         if temperature != 1.0:
@@ -101,14 +112,30 @@ class SGLangEngine:
             self._engine = None
 
 
-def to_record(req: EngineRequest, out: dict, weight_version: int) -> EngineOutput:
-    """One SGLang generate result (in-process or over HTTP) as our record."""
+def to_record(req: EngineRequest, out: dict, weight_version: int, *,
+              experts_layout: tuple[int, int] | None = None) -> EngineOutput:
+    """One SGLang generate result (in-process or over HTTP) as our record. ``experts_layout``
+    (layers, top_k) decodes routed experts for requests that asked for them."""
     meta = out["meta_info"]
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
-    return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(out["output_ids"]),
+    finish = "length" if finish == "length" else "abort" if finish == "abort" else "stop"
+    output_ids = list(out["output_ids"])
+    routed = None
+    if req.return_routed_experts and finish != "abort":
+        routed = _routed_experts(req, meta, len(req.prompt_ids) + len(output_ids) - 1, experts_layout)
+    return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids,
                         logprobs=[entry[0] for entry in meta["output_token_logprobs"]],
-                        finish_reason="length" if finish == "length" else "abort" if finish == "abort" else "stop",
-                        weight_version=weight_version)
+                        finish_reason=finish, weight_version=weight_version, routed_experts=routed)
+
+
+def _routed_experts(req: EngineRequest, meta: dict, rows: int, layout: tuple[int, int] | None):
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise EngineError(f"request {req.rid!r} asked for routed experts but SGLang returned none: start the engine "
+                          "with enable_return_routed_experts=True (and serve an MoE model)")
+    if layout is None or not layout[1]:
+        raise EngineError(f"request {req.rid!r}: routed experts need the model's (layers, top_k) to decode")
+    return decode_sglang(encoded, rows=rows, layout=layout)
 
 
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], *, output_str: bool = False):

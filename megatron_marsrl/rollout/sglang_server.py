@@ -58,6 +58,9 @@ class SGLangServerConfig:
     base_gpu_id: int = 0
     """First GPU of this engine's group on its node."""
     mem_fraction_static: float | None = None
+    enable_return_routed_experts: bool = False
+    """Record each token's routed experts (MoE) so requests with ``return_routed_experts``
+    get them back for routing replay in the trainer."""
     startup_timeout: float = 300.0
     seed: int = 0
     log_dir: str | None = None
@@ -152,6 +155,8 @@ class SGLangServer:
             cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
         if cfg.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if cfg.enable_return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = _SPAWNER.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
@@ -236,14 +241,17 @@ class SGLangServer:
             return {"text": body.decode(errors="replace")}
 
     def generate(self, requests: list[EngineRequest], timeout: float = 600.0) -> list[EngineOutput]:
+        from megatron_marsrl.rollout.routed_experts import experts_layout
         from megatron_marsrl.rollout.sglang_engine import _sampling_params, to_record
 
         outs = self._post("/generate", {"input_ids": [list(r.prompt_ids) for r in requests],
                                         "sampling_params": [_sampling_params(r) for r in requests],
-                                        "return_logprob": True, "rid": [r.rid or f"r{i}" for i, r in enumerate(requests)]},
+                                        "return_logprob": True, "rid": [r.rid or f"r{i}" for i, r in enumerate(requests)],
+                                        "return_routed_experts": any(r.return_routed_experts for r in requests)},
                           timeout)
         outs = outs if isinstance(outs, list) else [outs]
-        return [to_record(r, o, self.weight_version) for r, o in zip(requests, outs)]
+        layout = experts_layout(self.config.model_path) if any(r.return_routed_experts for r in requests) else None
+        return [to_record(r, o, self.weight_version, experts_layout=layout) for r, o in zip(requests, outs)]
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         """Log-probs of tokens[1:] (SGLang reports prompt log-probs at temperature 1 only)."""
