@@ -33,10 +33,17 @@ class RolloutEngineConfig:
     """SGLang's static memory fraction (colocated runs leave room for training)."""
     startup_timeout: float = 300.0
     seed: int = 0
+    quantization: str | None = None
+    """None: serve the training dtype. "fp8": SGLang engines hold FP8 weights and re-quantize every
+    bf16 weight sync (SGLang's flash_rl loader; GPU only, dense Qwen2/Qwen3; see rollout/fp8.py).
+    The train/rollout gap it adds shows in train/mismatch_abs and train/mismatch_k3."""
 
     def __post_init__(self):
+        from megatron_marsrl.rollout.fp8 import check_kind
+
         if self.kind not in ENGINES:
             raise ValueError(f"engine kind={self.kind!r}: choose one of {', '.join(ENGINES)}")
+        check_kind(self.quantization, self.kind)
         if self.num_engines < 1 or self.tp_size < 1:
             raise ValueError(f"num_engines={self.num_engines}, tp_size={self.tp_size}: both must be >= 1")
         if self.kind != "hf" and self.base_gpu_id + self.num_engines * self.tp_size > self.gpus_per_node:
@@ -44,9 +51,10 @@ class RolloutEngineConfig:
                              f"than the {self.gpus_per_node} GPUs of a node")
 
 
-def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed: int = 0):
+def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed: int = 0,
+                quantization: str | None = None):
     """One engine of ``kind`` over a local HF checkpoint directory."""
-    cfg = RolloutEngineConfig(kind=kind, max_total_tokens=max_total_tokens, seed=seed)
+    cfg = RolloutEngineConfig(kind=kind, max_total_tokens=max_total_tokens, seed=seed, quantization=quantization)
     return _start_one(cfg, model_dir, 0)
 
 
@@ -68,6 +76,9 @@ def start_engines(cfg: RolloutEngineConfig, model_dir: str):
 def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model path {model_dir}: no config.json (need a local HF checkpoint directory)")
+    from megatron_marsrl.rollout.fp8 import check_start
+
+    check_start(cfg.quantization, kind=cfg.kind, model_dir=model_dir)  # before anything is spawned
     if cfg.kind == "hf":
         from megatron_marsrl.rollout.hf_engine import TransformersEngine
 
@@ -76,11 +87,12 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
-                            tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static)
+                            tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
+                            quantization=cfg.quantization)
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     return SGLangServer(SGLangServerConfig(
         model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
         ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index)).start()
+        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index, quantization=cfg.quantization)).start()

@@ -48,7 +48,10 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, max_total_tokens: int = 16384, dtype: str = "auto", seed: int = 0,
                  tp_size: int = 1, mem_fraction_static: float | None = None,
-                 enable_return_routed_experts: bool = False, **server_args):
+                 enable_return_routed_experts: bool = False, quantization: str | None = None, **server_args):
+        from megatron_marsrl.rollout.fp8 import check_start, sglang_args
+
+        check_start(quantization, kind="sglang", model_dir=model_dir)  # FP8: a GPU and a model class SGLang supports
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             prepare_cpu_environment()
@@ -63,6 +66,7 @@ class SGLangEngine:
             kwargs["mem_fraction_static"] = mem_fraction_static
         if enable_return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
+        kwargs.update(sglang_args(quantization))
         self.experts_layout = experts_layout(model_dir)
         self.max_total_tokens = max_total_tokens
         self.weight_version = 0

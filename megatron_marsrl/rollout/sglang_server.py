@@ -63,6 +63,8 @@ class SGLangServerConfig:
     get them back for routing replay in the trainer."""
     startup_timeout: float = 300.0
     seed: int = 0
+    quantization: str | None = None
+    """None or "fp8": FP8 weights, re-quantized on every weight update (GPU only; rollout/fp8.py)."""
     log_dir: str | None = None
     """Where server logs go (default: a temp dir)."""
 
@@ -137,7 +139,10 @@ class SGLangServer:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "SGLangServer":
+        from megatron_marsrl.rollout.fp8 import check_start, sglang_args
+
         cfg = self.config
+        check_start(cfg.quantization, kind="sglang_server", model_dir=cfg.model_path)  # before spawning
         port = cfg.port or _free_port(cfg.host)
         self.url = f"http://{cfg.host}:{port}"
         on_cpu = not torch.cuda.is_available()
@@ -157,6 +162,8 @@ class SGLangServer:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.enable_return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        for key, value in sglang_args(cfg.quantization).items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = _SPAWNER.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
