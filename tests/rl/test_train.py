@@ -137,8 +137,9 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
     proc = subprocess.Popen(_cmd(run, "run.steps=50", "run.checkpoint_every=1", "--resume"), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _wait_for(lambda: max(step_metrics(run)) >= stopped_at + 2, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher only: torchrun starts ranks in new sessions
     proc.wait(timeout=60)
+    _wait_until_gone(run)  # ...and the ranks notice and exit
     (ckpts / f".step_{stopped_at + 99:06d}.partial").mkdir()  # as if killed while saving
     last = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*") if (p / "trainer_state.json").exists())
     assert last >= stopped_at + 1
@@ -147,6 +148,20 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
                if "train/loss" in line]
     assert resumed[-1] == last + 1  # exactly the one step after the last complete checkpoint
     assert not list(ckpts.glob(".*.partial"))  # the next save cleared the leftover
+
+
+def _wait_until_gone(run: Path, timeout: float = 30) -> None:
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+        if not alive:
+            return
+        time.sleep(0.5)
+    for p in alive:
+        p.kill()
+    raise AssertionError(f"ranks outlived their killed launcher: {[p.pid for p in alive]}")
 
 
 def _wait_for(condition, proc, timeout: float = 300) -> None:
