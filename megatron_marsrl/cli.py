@@ -67,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = importlib.import_module(known._module)
     module.add_arguments(known._lazy_sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may follow options (`train --recipe r --engine sglang run.steps=2`);
+    # argparse stops collecting positionals after an option, so pick the rest up here.
+    if extra and isinstance(getattr(args, "overrides", None), list) and \
+            all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.parse_args(argv)  # prints the usage error and exits
     return int(module.run(args) or 0)
 
 

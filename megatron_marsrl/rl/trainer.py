@@ -60,7 +60,10 @@ class Trainer:
                                          dtype=dtype, reference=config.policy.reference,
                                          moe_aux_loss_coeff=config.model.moe_aux_loss_coeff)
                        for name in config.policy_names()}
-        self.probe_tolerance = 1e-3 if dtype == torch.float32 else 0.5
+        # The post-sync probe catches a sync that did not take (differences of nats); it must not
+        # trip on the engine's own precision: fp32 agrees to ~1e-6, bf16 to ~1e-2, FP8 rollout
+        # (engine.quantization) differs by design and is watched through train/mismatch_* instead.
+        self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.5) if not config.engine.quantization else 5.0
         self.rollout = None
         if self.rank == 0:
             # The embedded engine samples in a background thread through torch's global CPU RNG;
