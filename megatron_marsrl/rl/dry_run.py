@@ -18,6 +18,7 @@ How this trainer maps onto the estimate, and why the verdict adds a third figure
   * A micro-batch holds up to scheduler.token_budget tokens; one longer sequence gets a
     micro-batch of its own, so the estimate uses max(token_budget, max output tokens).
   * SGLang's pool is the smaller of what mem_fraction_static leaves and engine.max_total_tokens.
+  * engine.quantization="fp8" halves the engine's weights (FP8 scales ignored).
   * policy.sharing="per_role": each policy has its own trainer state and its own engines on
     the same GPUs; training runs one policy at a time (one set of activations).
 """
@@ -112,7 +113,8 @@ def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
         if kv_cache_tokens is None and eng.mem_fraction_static is None:
             kv_cache_tokens = eng.max_total_tokens
         rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=kv_cache_tokens,
-                                   mem_fraction_static=None if kv_cache_tokens else eng.mem_fraction_static)
+                                   mem_fraction_static=None if kv_cache_tokens else eng.mem_fraction_static,
+                                   weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
     fp32 = config.model.dtype == "float32"
     return MemoryConfig(world_size=world_size, micro_batch_tokens=_micro_batch_tokens(config, arch),
                         param_bytes=4 if fp32 else 2, optimizer_offload_fraction=config.optim.cpu_offload_fraction,

@@ -85,13 +85,13 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             eval_size=30,  # AIME 2025 has 30 problems
         ),
         parallel=ParallelConfig(
-            tp=4,  # the most the 4 KV heads allow; splits the 64k x 152k logits of one sequence 4 ways
+            tp=4,  # the most the 4 KV heads allow; one sequence's logits: 25 GiB at TP4, 49 at TP2
             pp=1,  # 1F1B would keep pp micro-batches of up to 68k tokens in flight on stage 0
             ep=ep,
             etp=1,  # experts are 768 wide: split them across GPUs (EP), not within (ETP)
             sequence_parallel=True,  # required by Megatron for MoE with TP > 1; splits norms/residuals 4 ways
             distributed_optimizer=True,  # shards Adam state over data-parallel ranks; required for offload
-            recompute="full",  # without CP a 68k-token sequence's saved activations (~100 GiB) cannot stay
+            recompute="full",  # a 68k-token micro-batch saves 115 GiB per GPU with selective recompute, 3 with full
             micro_batch_size=1,  # packed sequences: the scheduler's token budget sizes a micro-batch
         ),
         optim=OptimConfig(
@@ -113,8 +113,8 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             base_gpu_id=0,
             gpus_per_node=8,  # H100 nodes of 8 GPUs
             host="127.0.0.1",  # only rank 0, on the same node, talks to the engine
-            max_total_tokens=kv_tokens,
-            mem_fraction_static=0.5,  # SGLang stops at 40 GiB; the rest is training's transient peak (~34 GiB)
+            max_total_tokens=kv_tokens,  # caps the pool: SGLang sizes it at start, before Adam's moments exist
+            mem_fraction_static=0.5,  # static pool ends at 40 GiB; training's transient 34 + engine runtime 4 go on top
             startup_timeout=1200.0,  # loading 61 GB and capturing CUDA graphs takes minutes
             seed=0,
         ),

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# MarsRL training of Qwen3-30B-A3B(-Thinking-2507) on 1, 2, 4 or 8 nodes of 8 x H100-80GB with
+# plain torchrun. Run it once on every node, with the same NNODES and MASTER_ADDR:
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node-a examples/qwen3_30b_a3b/train_torchrun.sh   # on node-a
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node-a examples/qwen3_30b_a3b/train_torchrun.sh   # on node-b
+#
+# The recipe follows the cluster size (qwen3_30b_a3b_h100x8/x16/x32/x64); extra arguments are
+# config overrides (e.g. run.steps=50) or --resume. The SGLang engines start on the node with
+# NODE_RANK=0 (it holds rank 0): static rendezvous keeps that order, c10d would not.
+set -euo pipefail
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=8
+MODEL=${MODEL:-/data/models/Qwen3-30B-A3B-Thinking-2507}   # local HF checkpoint, same path on every node
+TRAIN=${TRAIN:-/data/marsrl/train.jsonl}
+EVAL=${EVAL:-/data/marsrl/aime2025.jsonl}
+OUT=${OUT:-outputs/qwen3_30b_a3b_h100x$((NNODES * GPUS_PER_NODE))}   # shared filesystem: checkpoints are collective
+
+case "$NNODES" in
+  1|2|4|8) ;;
+  *) echo "NNODES=$NNODES: the recipes cover 1, 2, 4 or 8 nodes of 8 GPUs" >&2; exit 1 ;;
+esac
+RECIPE=qwen3_30b_a3b_h100x$((NNODES * GPUS_PER_NODE))
+overrides=(model.path="$MODEL" task.train="$TRAIN" task.eval="$EVAL" run.output_dir="$OUT")
+
+# Host Adam (optim.cpu_offload_fraction > 0 on 8 and 16 GPUs) runs on these threads: 8 ranks
+# x 8 threads suits a 64+ core host.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# torchrun SIGKILLs its ranks 30 s after forwarding SIGTERM by default; the checkpoint written on
+# SIGTERM (~430 GB with Adam state) needs longer.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+
+# Validate the layout and the per-GPU memory plan first (no GPU touched; exits 2 if it does not fit).
+python -m megatron_marsrl.cli train --recipe "$RECIPE" --nodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+  --dry-run "${overrides[@]}" "$@"
+
+exec torchrun \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+  --rdzv-backend static --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-marsrl-$RECIPE}" \
+  -m megatron_marsrl.cli train --recipe "$RECIPE" "${overrides[@]}" "$@"

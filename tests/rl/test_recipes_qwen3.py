@@ -1,0 +1,161 @@
+"""Qwen3-30B-A3B recipes and `marsrl train --dry-run`: every recipe's plan fits (as a real
+subprocess of the CLI), bad layouts exit 2 with a clear message, the architecture comes from
+model.path/config.json when present, optimizer offload is validated, and the example scripts
+are valid bash naming recipes that exist. No GPU, no Megatron initialisation."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_marsrl.megatron.optim import OptimConfig
+from megatron_marsrl.megatron.parallel import LayoutError
+from megatron_marsrl.rl.dry_run import plan
+from megatron_marsrl.rl.overrides import apply_overrides
+from megatron_marsrl.rl.recipes import RECIPES, get_recipe
+from megatron_marsrl.rl.recipes_qwen3 import QWEN3_30B_A3B_THINKING_2507, QWEN3_RECIPES
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "qwen3_30b_a3b"
+SCRIPTS = ("convert_before.sh", "convert_after.sh", "train.sbatch", "train_torchrun.sh")
+
+
+def _nodes(name: str) -> int:
+    match = re.search(r"_h100x(\d+)$", name)
+    return int(match.group(1)) // 8 if match else 1
+
+
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "train", "--dry-run", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_dry_run_fits_under_80_gib(name):
+    proc = _dry_run("--recipe", name, "--nodes", str(_nodes(name)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "verdict: fits" in out
+    totals = [float(v) for v in re.search(r"^total\s+([\d. ]+)$", out, re.M).group(1).split()]
+    assert totals and max(totals) < 80.0
+    if name in QWEN3_RECIPES:
+        assert "model: model.arch" in out  # no checkpoint here: the embedded config.json values
+        assert f"= {_nodes(name) * 8}" in out
+        at_once = float(re.search(r"train \+ generate at once.*: ([\d.]+) GiB", out).group(1))
+        assert max(totals) <= at_once < 80.0
+
+
+def test_tp_not_dividing_the_kv_heads_exits_2():
+    proc = _dry_run("--recipe", "qwen3_30b_a3b_h100x8", "parallel.tp=8")
+    assert proc.returncode == 2
+    assert "num_key_value_heads=4 not divisible by tp=8" in proc.stderr
+
+
+def test_eight_gpus_without_offload_exits_2_naming_the_overrun():
+    proc = _dry_run("--recipe", "qwen3_30b_a3b_h100x8", "optim.cpu_offload_fraction=0")
+    assert proc.returncode == 2
+    assert "verdict: does NOT fit" in proc.stdout
+    assert "train-phase peak" in proc.stderr and "exceeds 80.0 GiB" in proc.stderr
+    assert "optimizer" in proc.stderr and "optimizer offload" in proc.stderr
+
+
+def _config(name: str, *overrides: str):
+    return apply_overrides(get_recipe(name), list(overrides))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.tp=3", "not divisible by tp*pp = 3*1"),
+    ("parallel.distributed_optimizer=false", "needs distributed_optimizer=True"),
+])
+def test_bad_layouts_raise_layout_errors(override, message):
+    with pytest.raises(LayoutError, match=re.escape(message)):
+        plan(_config("qwen3_30b_a3b_h100x8", override), nodes=1, gpus_per_node=8)
+
+
+def test_engines_must_fit_the_first_node():
+    with pytest.raises(LayoutError, match=r"need GPUs 0\.\.7 of the first node, which has 4"):
+        plan(_config("qwen3_30b_a3b_h100x8"), nodes=2, gpus_per_node=4)
+
+
+def test_engines_resident_during_training_bound_the_plan():
+    # A larger KV pool fits each phase alone but not both at once (the trainer keeps SGLang resident).
+    result = plan(_config("qwen3_30b_a3b_h100x64", "engine.max_total_tokens=1000000",
+                          "engine.mem_fraction_static=0.6"), nodes=8, gpus_per_node=8)
+    assert result.problems and "does not release engine memory" in result.problems[0]
+    assert "does NOT fit" in result.verdict
+
+
+def test_config_json_of_model_path_wins_over_the_embedded_arch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B_THINKING_2507, "num_key_value_heads": 2}))
+    with pytest.raises(LayoutError, match="num_key_value_heads=2 not divisible by tp=4"):
+        plan(_config("qwen3_30b_a3b_h100x8", f"model.path={tmp_path}"), nodes=1, gpus_per_node=8)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_THINKING_2507))
+    result = plan(_config("qwen3_30b_a3b_h100x8", f"model.path={tmp_path}"), nodes=1, gpus_per_node=8)
+    assert f"model: {tmp_path / 'config.json'}" in result.report and not result.problems
+
+
+def test_without_config_json_or_arch_the_dry_run_says_what_to_give():
+    with pytest.raises(FileNotFoundError, match="model.arch"):
+        plan(_config("qwen3_30b_a3b_h100x8", "model.arch={}"), nodes=1, gpus_per_node=8)
+
+
+def test_qwen3_recipes_carry_the_marsrl_numbers():
+    for name in QWEN3_RECIPES:
+        c = get_recipe(name)
+        assert (c.rollout.group_size, c.rollout.inputs_per_stage, c.rollout.max_stages) == (8, 2, 5)
+        assert (c.rollout.sampling.temperature, c.rollout.sampling.top_p) == (0.85, 1.0)
+        assert c.rollout.sampling.max_tokens == 65536 and c.pipeline.problems_per_step == 128
+        assert c.optim.lr == 1e-6 and c.pipeline.mode == "pipeline"
+        assert c.pipeline.segment_tokens is None  # the trainer has no segment rollout yet
+        assert c.task.name == "math" and c.engine.kind == "sglang_server"
+        assert c.scheduler.token_budget >= c.rollout.sampling.max_tokens
+        assert c.parallel.tp == 4 and c.parallel.distributed_optimizer and c.parallel.recompute == "full"
+
+
+def test_cpu_offload_fraction_is_validated():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="cpu_offload_fraction"):
+            OptimConfig(cpu_offload_fraction=bad)
+    with pytest.raises(ValueError, match="needs optimizer='adam'"):
+        OptimConfig(optimizer="sgd", cpu_offload_fraction=0.5)
+
+
+def test_cpu_offload_maps_to_megatron_fields_and_refuses_cpu_and_replicated_optimizer():
+    torch = pytest.importorskip("torch")
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_marsrl.megatron import optim
+
+    assert optim._offload_options(OptimConfig(), False) == {}
+    with pytest.raises(ValueError, match="needs parallel.distributed_optimizer=true"):
+        optim._offload_options(OptimConfig(cpu_offload_fraction=0.5), False)
+    if torch.cuda.is_available():
+        fields = optim._offload_options(OptimConfig(cpu_offload_fraction=0.5), True)
+        assert fields["optimizer_offload_fraction"] == 0.5
+        assert set(fields) <= set(OptimizerConfig.__dataclass_fields__)
+    else:
+        assert {"optimizer_cpu_offload", "optimizer_offload_fraction",
+                "use_precision_aware_optimizer"} <= set(OptimizerConfig.__dataclass_fields__)
+        with pytest.raises(ValueError, match=r"optim\.cpu_offload_fraction=0\.5: .*needs CUDA"):
+            optim.wrap_ddp_and_optimizer(object(), OptimConfig(cpu_offload_fraction=0.5), distributed_optimizer=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_scripts_are_valid_bash(script):
+    proc = subprocess.run(["bash", "-n", str(EXAMPLES / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("script", ("train.sbatch", "train_torchrun.sh"))
+def test_launch_scripts_name_recipes_that_exist(script):
+    text = (EXAMPLES / script).read_text()
+    assert "qwen3_30b_a3b_h100x$((NNODES * GPUS_PER_NODE))" in text
+    allowed = re.search(r'case "\$NNODES" in\s+([\d|]+)\)', text).group(1).split("|")
+    for nodes in allowed:  # every node count the script accepts builds an existing recipe name
+        assert f"qwen3_30b_a3b_h100x{int(nodes) * 8}" in RECIPES
+    for literal in re.findall(r"qwen3_30b_a3b_h100x\d+", text):
+        assert literal in RECIPES
