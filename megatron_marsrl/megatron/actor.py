@@ -70,7 +70,7 @@ class PolicyActor:
     def __init__(self, name: str, arch: ModelArch, parallel: ParallelConfig, optim: OptimConfig, *,
                  hf_dir: str, dtype: torch.dtype = torch.float32, reference: bool = False,
                  moe_aux_loss_coeff: float = 0.0):
-        self.name, self.arch, self.parallel = name, arch, parallel
+        self.name, self.arch, self.parallel, self.hf_dir = name, arch, parallel, hf_dir
         model = build_model(arch, parallel, dtype=dtype, moe_aux_loss_coeff=moe_aux_loss_coeff)
         load_hf_weights(model, arch, hf_dir)
         self.model, self.optimizer = wrap_ddp_and_optimizer(model, optim,
@@ -89,11 +89,13 @@ class PolicyActor:
         """The GPTModel without the DDP wrapper (HF export and weight sync name its parameters)."""
         return self.model.module
 
-    def train_micro_batch(self, batch: dict, loss_fn: LossFn, *, with_entropy: bool) -> dict[str, float]:
+    def train_micro_batch(self, batch: dict, loss_fn: LossFn, *, with_entropy: bool,
+                          entropy_grad: bool = False) -> dict[str, float]:
         """Forward + backward of one micro-batch (no gradient sync); metrics on every rank."""
         self.model.train()
         self.micro_batches += 1
-        return forward.backward_micro_batch(self.model, batch, loss_fn, with_entropy=with_entropy)
+        return forward.backward_micro_batch(self.model, batch, loss_fn, with_entropy=with_entropy,
+                                            entropy_grad=entropy_grad)
 
     def reference_logprobs(self, tokens: torch.Tensor, *, temperature: float) -> torch.Tensor:
         """Log-probs of the frozen initial policy (for the KL term)."""
@@ -116,9 +118,20 @@ class PolicyActor:
                 for s in sequences]
 
     def save(self, path: Path, meta: dict) -> None:
+        """Model + optimizer; the meta and tokenizer files make it a checkpoint `marsrl convert
+        mcore-to-hf` exports like one written by `hf-to-mcore`."""
+        import dataclasses
+        import json
+
+        from megatron_marsrl.megatron.convert import FORMAT
+        from megatron_marsrl.megatron.hf_checkpoint import TOKENIZER_FILES
         from megatron_marsrl.megatron.dist_checkpoint import save_checkpoint
 
-        save_checkpoint(path, self.model, optimizer=self.optimizer, meta={**meta, "policy": self.name})
+        src = Path(self.hf_dir)
+        meta = {**meta, "policy": self.name, "format": FORMAT, "layout": dataclasses.asdict(self.parallel),
+                "hf_config": json.loads((src / "config.json").read_text())}
+        tokenizer = {f"tokenizer/{n}": src / n for n in TOKENIZER_FILES if (src / n).is_file()}
+        save_checkpoint(path, self.model, optimizer=self.optimizer, meta=meta, extra_files=tokenizer)
 
     def load(self, path: Path) -> dict:
         from megatron_marsrl.megatron.dist_checkpoint import load_checkpoint

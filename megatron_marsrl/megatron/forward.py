@@ -206,7 +206,8 @@ def _reduce_metrics(out: list[dict], num_micro_batches: int, *, over_data_parall
     return {k: float(v) for k, v in zip(keys, values)}
 
 
-def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy: bool = False) -> dict[str, float]:
+def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy: bool = False,
+                         entropy_grad: bool = False) -> dict[str, float]:
     """Forward and backward of one micro-batch; gradients accumulate in the DDP buffers and the
     data-parallel reduction is *not* run (call :func:`finish_accumulation` once per step).
 
@@ -214,9 +215,15 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     groups are still being sampled: any number of these calls, in any order, then one sync.
     ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch) -> (loss, metrics)``.
     An optional ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py).
+    Entropy is computed without autograd (no [tokens, vocab/TP] tensors kept for backward)
+    unless ``entropy_grad`` (an entropy bonus trains through it).
     Returns the metrics (floats) on every rank.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def entropy_of(scaled: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return vocab_parallel_entropy(scaled if entropy_grad else scaled.detach())
 
     def step(chunk, data):
         tokens = data["tokens"]
@@ -225,7 +232,7 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
 
         def loss_func(out):
             scaled = _scaled_logits(model, out, data.get("temperature", 1.0))
-            entropy = vocab_parallel_entropy(scaled)[:, : tokens.shape[1] - 1] if with_entropy else None
+            entropy = entropy_of(scaled)[:, : tokens.shape[1] - 1] if with_entropy else None
             logp = -vocab_parallel_cross_entropy(scaled.clone(), labels)[:, : tokens.shape[1] - 1]
             loss, metrics = loss_fn(logp, entropy, data)
             return loss, {"loss": loss.detach().clone(),

@@ -234,7 +234,8 @@ class Trainer:
         actor = self.actors[policy]
         if actor.reference is not None:
             batch["ref_logprobs"] = actor.reference_logprobs(batch["tokens"], temperature=batch["temperature"])
-        metrics = actor.train_micro_batch(batch, self._loss_fn, with_entropy=True)
+        metrics = actor.train_micro_batch(batch, self._loss_fn, with_entropy=True,
+                                          entropy_grad=self.config.loss.entropy_coef > 0)
         acc.add_units(policy, metrics.pop("aggregation_units"))
         if real:
             acc.add(metrics)

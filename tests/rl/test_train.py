@@ -93,6 +93,12 @@ def test_train_end_to_end_embedded_engine(tmp_path):
     assert (run / "checkpoints" / "step_000003" / "trainer_state.json").is_file()  # saved at the end
     assert (run / "config.json").is_file()
     assert f"tensorboard --logdir {run / 'tensorboard'}" in proc.stdout
+    # the trained policy exports to HF like any converted checkpoint
+    out = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "convert", "mcore-to-hf", "--input",
+                          str(run / "checkpoints" / "step_000003" / "policy_shared"), "--output", str(tmp_path / "hf")],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 @pytest.mark.slow
