@@ -167,7 +167,9 @@ def set_routed_experts(model, routed: torch.Tensor | None) -> None:
     if not replays:
         return
     if routed is not None:
-        _validate(routed, replays, _routers(model)[0].config.num_moe_experts)
+        router = _routers(model)[0]
+        routed = routed.to(router.weight.device)  # once per micro-batch, not once per layer
+        _validate(routed, replays, router.config.num_moe_experts)
     for replay in replays:
         replay.push(None if routed is None else routed[:, :, replay.layer_number - 1])
 
