@@ -16,7 +16,8 @@ setup(
     packages=find_packages(include=["megatron_marsrl", "megatron_marsrl.*"]),
     # The CPU-only stand-in for SGLang's kernel package is data, not a package of ours: it is
     # put on SGLang's path only on CPU machines (rollout/sglang_engine.py).
-    package_data={"megatron_marsrl.rollout": ["sglang_cpu_shim/sgl_kernel/*.py"]},
+    package_data={"megatron_marsrl.rollout": ["sglang_cpu_shim/sgl_kernel/*.py", "sglang_cpu_shim/*.py",
+                                              "sglang_cpu_shim/*.dist-info/*"]},
     # CPU/CI pins live in requirements/*.txt (installed by scripts/env.sh). These are
     # the loose runtime requirements for users installing into their own stack (NGC).
     install_requires=[

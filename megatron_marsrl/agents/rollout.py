@@ -249,7 +249,9 @@ def _sample(out: RoleOutput, sample_id: str, group: Group, parent: Sample | None
                   passed_on=out.parsed.passed_on,
                   # The parent's reward says whether this sample's input was right (a verifier's
                   # solution, or a corrector's report): the statistics need it.
-                  metadata={"parent_reward": parent.reward} if parent is not None else {})
+                  metadata={**({"parent_reward": parent.reward} if parent is not None else {}),
+                            **({"token_versions": c.token_versions} if c.token_versions else {}),
+                            **({"routed_experts": c.routed_experts} if c.routed_experts is not None else {})})
 
 
 class PipelinedRollout:

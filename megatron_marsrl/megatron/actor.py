@@ -39,6 +39,8 @@ class Sequence:
     """The engine's log-probs of `response_ids` (TIS and the mismatch metric)."""
     trained_from: int = 0
     """Response tokens before this index get no gradient (segment rollout: older weights)."""
+    routed_experts: torch.Tensor | None = None
+    """The engine's MoE routing of prompt + response tokens [tokens-1, layers, top_k] (replay)."""
 
 
 def pack_sequences(seqs: list[Sequence], *, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -56,9 +58,14 @@ def pack_sequences(seqs: list[Sequence], *, pad_id: int = 0) -> dict[str, torch.
         mask[row, start + s.trained_from: start + len(s.response_ids)] = True
         if s.rollout_logprobs is not None:
             rollout[row, start: start + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
-    return {"tokens": tokens, "response_mask": mask, "rollout_logprobs": rollout,
-            "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
-            "rewards": torch.tensor([s.reward for s in seqs], dtype=torch.float32)}
+    batch = {"tokens": tokens, "response_mask": mask, "rollout_logprobs": rollout,
+             "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
+             "rewards": torch.tensor([s.reward for s in seqs], dtype=torch.float32)}
+    if any(s.routed_experts is not None for s in seqs):
+        from megatron_marsrl.megatron.routing_replay import stack_for_replay
+
+        batch["routed_experts"] = stack_for_replay([s.routed_experts for s in seqs], width - 1)
+    return batch
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict], tuple[torch.Tensor, dict]]
@@ -110,6 +117,12 @@ class PolicyActor:
         report["micro_batches"] = self.micro_batches
         self.micro_batches = 0
         return report
+
+    def skip_step(self) -> None:
+        """No data this step: no optimizer step (Adam would still move on its momentum)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.micro_batches = 0
 
     def logprobs(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[torch.Tensor]:
         """Current-policy log-probs of tokens[1:] of each sequence (evaluation, probes)."""

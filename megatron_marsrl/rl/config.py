@@ -94,6 +94,9 @@ class PipelineConfig:
             raise ValueError(f"pipeline.problems_per_step={self.problems_per_step}: must be >= 1")
         if self.segment_tokens is not None and self.segment_tokens < 1:
             raise ValueError(f"pipeline.segment_tokens={self.segment_tokens}: must be >= 1 or None")
+        if self.segment_tokens is not None and self.mode != "pipeline":
+            raise ValueError("pipeline.segment_tokens needs pipeline.mode=pipeline (a sync step generates "
+                             "whole trajectories)")
         if self.segment_old_tokens not in ("mask", "tis"):
             raise ValueError(f"pipeline.segment_old_tokens={self.segment_old_tokens!r}: use 'mask' or 'tis'")
 

@@ -12,7 +12,7 @@ from megatron_marsrl.agents.rollout import GroupedRollout
 from megatron_marsrl.data_types import Sample
 from megatron_marsrl.rl.config import ROLES, TrainConfig
 from megatron_marsrl.rl.data import ProblemStream, dataset_from_spec
-from megatron_marsrl.rl.rollout_driver import RolloutDriver
+from megatron_marsrl.rl.rollout_driver import RolloutDriver, StepGate
 from megatron_marsrl.rl.rollout_metrics import role_metrics
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,20 @@ class RolloutSide:
         except BaseException:
             self.close()
             raise
-        generators = {role: EngineChatGenerator(self.pools[config.policy_of(role)], self.tokenizer)
+        gate = StepGate()
+        segment = config.pipeline.segment_tokens
+        generators = {role: EngineChatGenerator(self.pools[config.policy_of(role)], self.tokenizer,
+                                                segment_tokens=segment, gate=gate if segment else None,
+                                                routed_experts=config.engine.routed_experts)
                       for role in ROLES}
+        # Evaluation generates whole outputs: nothing waits for a next step there.
+        self.eval_generators = {role: EngineChatGenerator(self.pools[config.policy_of(role)], self.tokenizer)
+                                for role in ROLES}
         self.roles = role_set(config.task.name)
         self.counter = ParseCounter()
         self.grouped = GroupedRollout(roles=self.roles, generators=generators, config=config.rollout,
                                       counter=self.counter)
-        self.driver = RolloutDriver(self.grouped, mode=config.pipeline.mode)
+        self.driver = RolloutDriver(self.grouped, mode=config.pipeline.mode, gate=gate)
         train = dataset_from_spec(config.task.train)
         self.stream = ProblemStream(train, problems_per_step=min(config.pipeline.problems_per_step, len(train)),
                                     seed=config.run.seed)
@@ -69,7 +76,7 @@ class RolloutSide:
         """Per-role rewards on the held-out problems (whole trajectories, nothing trained)."""
         if not self.eval_problems:
             return {}
-        grouped = GroupedRollout(roles=self.roles, generators=self.grouped.generators, config=self.config.rollout)
+        grouped = GroupedRollout(roles=self.roles, generators=self.eval_generators, config=self.config.rollout)
         grouped.salt = f"eval{step}."
         groups = self.driver.run_eval(grouped.rollout(self.eval_problems))
         samples: list[Sample] = [s for g in groups for s in g.samples]

@@ -22,7 +22,14 @@ def load_tokenizer(path: str):
 class EngineChatGenerator:
     """Samples chat completions from an EnginePool (or anything with ``async generate``)."""
 
-    def __init__(self, pool, tokenizer, *, max_new_tokens: int | None = None, chat_template_kwargs: dict | None = None):
+    def __init__(self, pool, tokenizer, *, max_new_tokens: int | None = None, chat_template_kwargs: dict | None = None,
+                 segment_tokens: int | None = None, gate=None, routed_experts: bool = False):
+        """`segment_tokens` + `gate` (segment rollout): generate at most that many tokens per
+        RL step; an unfinished output waits at `gate.wait()` for the next step's weights and
+        continues from where it stopped. Completions then carry each token's weight version."""
+        if (segment_tokens is None) != (gate is None):
+            raise ValueError("segment rollout needs both segment_tokens and a gate")
+        self.segment_tokens, self.gate, self.routed_experts = segment_tokens, gate, routed_experts
         self.pool = pool
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -43,17 +50,44 @@ class EngineChatGenerator:
                              "(the tokenizer's EOS); train on the ids as generated")
         ids = self.prompt_ids(request.messages)
         max_new = min(s.max_tokens, self.max_new_tokens) if self.max_new_tokens else s.max_tokens
-        def sampling(i: int) -> EngineSampling:  # completion i of a seeded request gets seed + i
-            return EngineSampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=max_new,
-                                  stop_token_ids=self._stop_ids, seed=None if s.seed is None else s.seed + i)
+        def sampling(i: int, done: int, budget: int) -> EngineSampling:
+            # completion i of a seeded request gets seed + i (+ tokens so far, per segment)
+            return EngineSampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=budget,
+                                  stop_token_ids=self._stop_ids, seed=None if s.seed is None else s.seed + i + done)
 
-        outs = await asyncio.gather(*(self.pool.generate(EngineRequest(prompt_ids=ids, sampling=sampling(i), rid=f"c{i}"))
-                                      for i in range(request.n)))
-        prompt = self.tokenizer.decode(ids)
-        return [self._completion(prompt, out) for out in outs]
+        async def one(i: int) -> Completion:
+            if self.gate is None:
+                return await generate(i)
+            self.gate.enter()
+            try:
+                return await generate(i)
+            finally:
+                self.gate.leave()
 
-    def _completion(self, prompt: str, out) -> Completion:
-        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-        return Completion(text=text, finish_reason=out.finish_reason, prompt=prompt,
-                          prompt_token_ids=list(out.prompt_ids), token_ids=list(out.output_ids),
-                          logprobs=list(out.logprobs))
+        async def generate(i: int) -> Completion:
+            out_ids, logps, versions = [], [], []
+            while True:
+                budget = max_new - len(out_ids)
+                if self.segment_tokens:
+                    budget = min(budget, self.segment_tokens)
+                out = await self.pool.generate(EngineRequest(prompt_ids=ids + out_ids, rid=f"c{i}",
+                                                             sampling=sampling(i, len(out_ids), budget),
+                                                             return_routed_experts=self.routed_experts))
+                out_ids += out.output_ids
+                logps += out.logprobs
+                versions += [out.weight_version] * len(out.output_ids)
+                if out.finish_reason != "length" or len(out_ids) >= max_new or not self.segment_tokens:
+                    completion = self._completion(ids, out_ids, logps, out.finish_reason,
+                                                  versions if self.segment_tokens else None)
+                    # the last request covered prompt + all output: its record spans every token
+                    completion.routed_experts = out.routed_experts
+                    return completion
+                await self.gate.wait()
+
+        return list(await asyncio.gather(*(one(i) for i in range(request.n))))
+
+    def _completion(self, prompt_ids, output_ids, logprobs, finish_reason, versions) -> Completion:
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        return Completion(text=text, finish_reason=finish_reason, prompt=self.tokenizer.decode(prompt_ids),
+                          prompt_token_ids=list(prompt_ids), token_ids=list(output_ids),
+                          logprobs=list(logprobs), token_versions=versions)

@@ -33,6 +33,8 @@ class RolloutEngineConfig:
     """SGLang's static memory fraction (colocated runs leave room for training)."""
     startup_timeout: float = 300.0
     seed: int = 0
+    routed_experts: bool = False
+    """Engines record the experts each token was routed to (MoE routing replay in training)."""
     quantization: str | None = None
     """None: serve the training dtype. "fp8": SGLang engines hold FP8 weights and re-quantize every
     bf16 weight sync (SGLang's flash_rl loader; GPU only, dense Qwen2/Qwen3; see rollout/fp8.py).
@@ -88,11 +90,12 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
 
         return SGLangEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
                             tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-                            quantization=cfg.quantization)
+                            quantization=cfg.quantization, enable_return_routed_experts=cfg.routed_experts)
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     return SGLangServer(SGLangServerConfig(
         model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
         ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index, quantization=cfg.quantization)).start()
+        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index, quantization=cfg.quantization,
+        enable_return_routed_experts=cfg.routed_experts)).start()

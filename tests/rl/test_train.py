@@ -38,7 +38,7 @@ def step_metrics(run_dir: Path) -> dict[int, dict]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "train/loss" in record:
+        if "time/step" in record:
             out[record["step"]] = record
     return out
 
@@ -76,8 +76,10 @@ def _check_steps(run_dir: Path, steps: int) -> dict[int, dict]:
 
 def test_train_end_to_end_embedded_engine(tmp_path):
     run = tmp_path / "run"
-    proc = train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=3")
+    # with MoE routing replay: the engine records each token's experts, Megatron replays them
+    proc = train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=3", "engine.routed_experts=true")
     metrics = _check_steps(run, 3)
+    assert all(m["train/routing_replayed"] == 1.0 for m in metrics.values())
     assert metrics[3]["rollout/pending_stage_inputs"] > 0  # the pipeline carries stage inputs over
     assert metrics[3]["rollout/corrector/samples"] > 0  # every stage ran by step 3
     tags = tensorboard_tags(run)
@@ -194,3 +196,20 @@ def test_embedded_recipe_raises_every_role_reward_on_held_out_problems(tmp_path)
     first, last = evals[0], evals[max(evals)]
     for role in ROLES:
         assert last[f"eval/{role}/reward_mean"] > first[f"eval/{role}/reward_mean"] + 0.1, role
+
+
+def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
+    """pipeline.segment_tokens=1: outputs of up to 3 tokens take up to 3 steps; their earlier
+    tokens come from older weights and are masked; groups train when their last sample ends."""
+    run = tmp_path / "run"
+    train(run, "run.steps=4", "run.checkpoint_every=0", "pipeline.segment_tokens=1")
+    metrics = step_metrics(run)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert metrics[1]["rollout/samples"] == 0  # nothing finished within one 1-token segment...
+    assert metrics[1]["shared/trained_nothing"] == 1.0  # ...so no update
+    assert sum(m["rollout/continued_samples"] for m in metrics.values()) > 0  # ...they finished later
+    trained = [m for m in metrics.values() if "train/loss" in m]
+    assert trained and all(math.isfinite(m["train/loss"]) for m in trained)
+    # resuming mid-flight regenerates in-flight stages from their start instead of losing them
+    train(run, "run.steps=5", "run.checkpoint_every=0", "pipeline.segment_tokens=1", "--resume")
+    assert 5 in step_metrics(run)
