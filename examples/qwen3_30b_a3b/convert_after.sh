@@ -7,10 +7,7 @@
 # Takes the newest complete checkpoint (checkpoints/step_NNNNNN with trainer_state.json) and its
 # shared policy; a torch_dist checkpoint loads under any layout, so the export runs on one node
 # under TP4/EP8 whatever the training cluster size was (8 local ranks: GPUs or CPU processes).
-#
-# Known gap (checked by hand, not fixed here): the trainer's run checkpoints do not yet record
-# the "format" and "hf_config" entries that `marsrl convert mcore-to-hf` requires in
-# marsrl_checkpoint.json, so this script stops with a message on them until they do.
+# Run checkpoints record the HF config and the tokenizer (tested on CPU with the tiny recipe).
 set -euo pipefail
 run=${1:?usage: $0 RUN_DIR ORIGINAL_HF_DIR HF_OUT}
 orig=${2:?usage: $0 RUN_DIR ORIGINAL_HF_DIR HF_OUT}
@@ -23,13 +20,13 @@ done
 [[ -n "$step" ]] || { echo "no complete checkpoint under $run/checkpoints" >&2; exit 1; }
 policy=$step/policy_shared
 if ! grep -q '"hf_config"' "$policy/marsrl_checkpoint.json"; then
-  echo "$policy: marsrl_checkpoint.json has no hf_config/format entry; mcore-to-hf cannot export it yet" >&2
+  echo "$policy: marsrl_checkpoint.json has no hf_config entry (written by an older version?)" >&2
   exit 1
 fi
 
 marsrl convert mcore-to-hf --input "$policy" --output "$out" --tp 4 --ep 8 --etp 1
 
-# Run checkpoints hold no tokenizer: copy the original model's tokenizer and generation files.
+# generation_config.json (sampling defaults) is not part of a checkpoint: take the original's.
 for f in tokenizer.json tokenizer_config.json vocab.json merges.txt special_tokens_map.json generation_config.json; do
   if [[ -f "$orig/$f" && ! -f "$out/$f" ]]; then cp "$orig/$f" "$out/"; fi
 done

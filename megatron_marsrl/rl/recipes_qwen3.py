@@ -6,8 +6,6 @@
 
 Launch scripts: examples/qwen3_30b_a3b/ (Slurm and plain torchrun). Differences from the MarsRL
 paper's set-up, all forced by what this trainer supports today:
-  * no segment rollout: outputs of up to 64k tokens are generated whole within one step
-    (pipeline.segment_tokens exists but the trainer does not implement it yet);
   * no context parallelism: a whole sequence (prompt + up to 64k output) is one micro-batch
     on one model replica, so TP=4 (the most the 4 KV heads allow) is needed to split its
     152k-vocabulary logits, and every layer is recomputed in backward;
@@ -130,9 +128,9 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
         pipeline=PipelineConfig(
             mode="pipeline",  # MarsRL agentic pipeline: every step advances each open trajectory one stage
             problems_per_step=128,  # MarsRL: 128 prompts x 8 responses per step
-            # MarsRL generates 64k outputs as 4 x 16k segments; this trainer does not implement
-            # segment rollout yet, so None (whole outputs within one step) until it does: then 16384.
-            segment_tokens=None,
+            # MarsRL generates 64k outputs as 4 x 16k segments: a sample still running after 16k
+            # tokens continues with the next step's weights; its older tokens are masked.
+            segment_tokens=16384,
         ),
         scheduler=SchedulerConfig(
             token_budget=MAX_OUTPUT_TOKENS + PROMPT_ALLOWANCE,  # one 64k output plus a 4k prompt per micro-batch

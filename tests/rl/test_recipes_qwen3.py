@@ -110,7 +110,7 @@ def test_qwen3_recipes_carry_the_marsrl_numbers():
         assert (c.rollout.sampling.temperature, c.rollout.sampling.top_p) == (0.85, 1.0)
         assert c.rollout.sampling.max_tokens == 65536 and c.pipeline.problems_per_step == 128
         assert c.optim.lr == 1e-6 and c.pipeline.mode == "pipeline"
-        assert c.pipeline.segment_tokens is None  # the trainer has no segment rollout yet
+        assert c.pipeline.segment_tokens == 16384  # MarsRL: 64k outputs in 16k segments
         assert c.task.name == "math" and c.engine.kind == "sglang_server"
         assert c.scheduler.token_budget >= c.rollout.sampling.max_tokens
         assert c.parallel.tp == 4 and c.parallel.distributed_optimizer and c.parallel.recompute == "full"
