@@ -213,3 +213,19 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     # resuming mid-flight regenerates in-flight stages from their start instead of losing them
     train(run, "run.steps=5", "run.checkpoint_every=0", "pipeline.segment_tokens=1", "--resume")
     assert 5 in step_metrics(run)
+
+
+@pytest.mark.slow
+def test_one_policy_per_role_with_reference_kl(tmp_path):
+    """policy.sharing=per_role: a Megatron model, optimizer and engine per role, each synced."""
+    run = tmp_path / "run"
+    train(run, "run.steps=3", "run.checkpoint_every=0", "policy.sharing=per_role", "policy.reference=true",
+          "loss.kl_coef=0.01")
+    m = step_metrics(run)
+    assert m[1]["verifier/trained_nothing"] == 1.0  # no verifier samples before step 2
+    for role in ROLES:
+        assert math.isfinite(m[3][f"{role}/grad_norm"])
+        assert m[3][f"{role}/sync_probe_mismatch"] < 1e-4  # each engine got its own policy's weights
+    assert m[3]["train/kl"] > 0  # the policies moved away from the frozen reference
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000003").glob("policy_*")) == \
+        ["policy_corrector", "policy_solver", "policy_verifier"]
