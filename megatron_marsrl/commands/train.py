@@ -69,7 +69,6 @@ def _train(args) -> int:
 
     result = train(config, resume=args.resume)
     if int(os.environ.get("RANK", 0)) == 0:
-        _save_config(config)
         print(json.dumps({k: v for k, v in result.items() if k != "metrics"}), flush=True)
         print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}",
               flush=True)
@@ -87,15 +86,6 @@ def _dry_run(args, config) -> int:
         print("error: " + "; ".join(result.problems), file=sys.stderr)
         return 2
     return 0
-
-
-def _save_config(config) -> None:
-    from pathlib import Path
-
-    from megatron_marsrl.rl.overrides import config_to_dict
-
-    path = Path(config.run.output_dir) / "config.json"
-    path.write_text(json.dumps(config_to_dict(config), indent=2))
 
 
 def _relaunch(args, config) -> int:

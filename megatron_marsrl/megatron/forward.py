@@ -206,6 +206,10 @@ def _reduce_metrics(out: list[dict], num_micro_batches: int, *, over_data_parall
     return {k: float(v) for k, v in zip(keys, values)}
 
 
+ENTROPY_CHUNK = 4096
+"""Sequence positions per chunk of the no-gradient entropy (bounds its memory)."""
+
+
 def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy: bool = False,
                          entropy_grad: bool = False) -> dict[str, float]:
     """Forward and backward of one micro-batch; gradients accumulate in the DDP buffers and the
@@ -222,8 +226,11 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     def entropy_of(scaled: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return vocab_parallel_entropy(scaled if entropy_grad else scaled.detach())
+        if entropy_grad:
+            return vocab_parallel_entropy(scaled)
+        with torch.no_grad():  # a metric: in sequence chunks, so a few vocab-sized temporaries at most
+            return torch.cat([vocab_parallel_entropy(part) for part in scaled.detach().split(ENTROPY_CHUNK, dim=1)],
+                             dim=1)
 
     def step(chunk, data):
         tokens = data["tokens"]

@@ -57,7 +57,7 @@ def save(run_dir: str | Path, step: int, actors: dict, state: dict, *, keep: int
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".{final.name}.partial"
     if _rank() == 0:
-        for stale in root.glob(".*.partial"):
+        for stale in [*root.glob(".*.partial"), *root.glob(".*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
@@ -67,9 +67,14 @@ def save(run_dir: str | Path, step: int, actors: dict, state: dict, *, keep: int
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state()}, tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if final.exists():  # same step saved again (a redo save): never be without one complete copy
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
         for old in sorted(p for p in root.glob(f"{PREFIX}*") if is_complete(p))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

@@ -51,7 +51,7 @@ class TaskConfig:
     name: str = "math"
     """"math": the MarsRL roles (megatron_marsrl.agents.roles) on a JSONL dataset;
     "arithmetic": the embedded CPU task (compact roles, a word-level tokenizer and a tiny
-    Qwen3-MoE built for it, see megatron_marsrl.rl.tasks.arithmetic)."""
+    Qwen3-MoE built for it, see megatron_marsrl.agents.arithmetic)."""
     train: str = ""
     """Training problems: a JSONL path or a generator spec such as "arithmetic:train?n=256"."""
     eval: str = ""

@@ -17,8 +17,14 @@ class Observer:
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(run_dir) / "tensorboard"
-        self.writer = SummaryWriter(log_dir=str(self.dir))
-        self.jsonl = (Path(run_dir) / "metrics.jsonl").open("a")
+        # A resumed run redoes the steps after its checkpoint: drop what an earlier attempt
+        # logged for them, so each step appears once.
+        self.writer = SummaryWriter(log_dir=str(self.dir), purge_step=start_step + 1 if start_step else None)
+        path = Path(run_dir) / "metrics.jsonl"
+        if start_step and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= start_step]
+            path.write_text("".join(f"{line}\n" for line in kept))
+        self.jsonl = path.open("a")
         self.bar = None
         if progress:
             from tqdm import tqdm

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 from megatron_marsrl.agents.rollout import GroupedRollout, PendingStage, PipelinedRollout
@@ -78,6 +79,8 @@ class RolloutDriver:
         self._thread.start()
         self._future = None
         self._inflight: dict[asyncio.Task, PendingStage] = {}
+        self.finished_at = 0.0
+        """perf_counter() when the last step's rollouts ended (before the trainer heard of it)."""
 
     @property
     def pending(self) -> list[PendingStage]:
@@ -86,8 +89,11 @@ class RolloutDriver:
 
     def start_step(self, step: int, problems: Sequence[Problem]) -> None:
         """Start generating step `step` in the background."""
-        if self._future is not None and not self._future.done():
-            raise RuntimeError("the previous rollout step is still running")
+        if self._future is not None:
+            try:  # its _DONE is queued a moment before the future completes
+                self._future.result(timeout=30)
+            except Exception:  # noqa: BLE001 - a failed step was already reported via next_unit
+                pass
         self.rollout.salt = f"s{step}."
         self._future = asyncio.run_coroutine_threadsafe(self._step(list(problems)), self._loop)
 
@@ -101,6 +107,7 @@ class RolloutDriver:
             self._queue.put(exc)
             raise
         finally:
+            self.finished_at = time.perf_counter()
             self._queue.put(_DONE)
 
     async def _pipeline_step(self, problems: list[Problem]) -> None:
@@ -115,7 +122,7 @@ class RolloutDriver:
             self._inflight[asyncio.create_task(self._stage(w))] = w
         while True:
             active = [t for t in self._inflight if not t.done()]
-            failed = [t for t in self._inflight if t.done() and t.exception() is not None]
+            failed = [t for t in self._inflight if t.done() and not t.cancelled() and t.exception() is not None]
             if failed:
                 raise failed[0].exception()
             for t in [t for t in self._inflight if t.done()]:

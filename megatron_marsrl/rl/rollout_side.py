@@ -41,8 +41,8 @@ class RolloutSide:
         self.tokenizer = load_tokenizer(hf_dir)
         self.pools = {}
         try:
-            for name in config.policy_names():
-                self.pools[name] = start_engines(config.engine, hf_dir)
+            for i, name in enumerate(config.policy_names()):
+                self.pools[name] = start_engines(_engines_of_policy(config, i), hf_dir)
         except BaseException:
             self.close()
             raise
@@ -111,6 +111,20 @@ class RolloutSide:
             self.driver.close()
         for pool in self.pools.values():
             pool.shutdown()
+
+
+def _engine_gpus(engine) -> int:
+    return 0 if engine.kind == "hf" else engine.num_engines * engine.tp_size
+
+
+def _engines_of_policy(config: TrainConfig, index: int):
+    """Per-role policies get their own engines on the next GPUs (never the same ones)."""
+    import dataclasses
+
+    engine = config.engine
+    if index == 0 or engine.kind == "hf":
+        return engine
+    return dataclasses.replace(engine, base_gpu_id=engine.base_gpu_id + index * _engine_gpus(engine))
 
 
 def sample_metrics(samples: list[Sample], advantages: dict[str, float]) -> dict[str, float]:

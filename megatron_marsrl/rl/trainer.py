@@ -78,7 +78,13 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if resume:
-            self._resume()
+            try:
+                self._resume()
+            except BaseException:  # e.g. a checkpoint of another layout: stop the engines too
+                self.close()
+                raise
+        if self.rank == 0:
+            self._save_config()
 
     # ---- set-up -----------------------------------------------------------------------
     def _initial_model(self) -> Path:
@@ -149,33 +155,37 @@ class Trainer:
         sched.begin_step(step, version=step)
         samples, seqs, advantages = [], {}, {}
         start = time.perf_counter()
-        t = {"train": 0.0, "idle": 0.0, "train_during_rollout": 0.0}
-        rollout_done = None
+        t = {"train": 0.0, "idle": 0.0, "rounds": []}
+        while True:
+            wait = time.perf_counter()
+            unit = self._from_rollout(step, self._next_unit)
+            t["idle"] += time.perf_counter() - wait
+            if unit is None:
+                break
+            self._from_rollout(step, lambda: [sched.add_group(items) for items in
+                                              self._prepare_unit(unit, seqs, advantages, samples)])
+            # A failure inside a round is not caught: the other ranks are inside Megatron's
+            # collectives with us, so the process must end and torchrun tear the job down.
+            self._train_rounds(sched.pop_ready(), seqs, acc, t)
+        self._train_rounds(sched.finish_step(), seqs, acc, t)
+        self._broadcast(("end",))
+        finished = self.rollout.driver.finished_at
+        during = sum(max(0.0, min(end, finished) - begin) for begin, end in t["rounds"])
+        return samples, {"time/rollout": finished - start, "time/train": t["train"], "time/train_idle": t["idle"],
+                         "time/overlap_fraction": during / t["train"] if t["train"] else 0.0,
+                         "time/rollout_and_train": time.perf_counter() - start,
+                         "_advantages": advantages}
+
+    def _from_rollout(self, step: int, fn):
+        """Run a rollout-side call; if it fails (engines gave up, a stop signal, bad data) tell
+        the other ranks to abort the step (they wait on the control group, not in Megatron)."""
         try:
-            while True:
-                wait = time.perf_counter()
-                unit = self._next_unit()
-                t["idle"] += time.perf_counter() - wait
-                if unit is None:
-                    rollout_done = time.perf_counter()
-                    break
-                items = self._prepare_unit(unit, seqs, advantages, samples)
-                for group_items in items:
-                    sched.add_group(group_items)
-                t["train_during_rollout"] += self._train_rounds(sched.pop_ready(), seqs, acc, t)
+            return fn()
         except Exception as exc:
             by_signal = isinstance(exc, _Interrupted)
             self._broadcast(("abort", f"{type(exc).__name__}: {exc}", by_signal))
             self.rollout.abort()
             raise StepAborted(f"step {step} stopped: {type(exc).__name__}: {exc}", by_signal=by_signal) from exc
-        self._train_rounds(sched.finish_step(), seqs, acc, t)
-        self._broadcast(("end",))
-        total = time.perf_counter() - start
-        rollout_s = rollout_done - start
-        return samples, {"time/rollout": rollout_s, "time/train": t["train"], "time/train_idle": t["idle"],
-                         "time/overlap_fraction": t["train_during_rollout"] / t["train"] if t["train"] else 0.0,
-                         "time/rollout_and_train": total,
-                         "_advantages": advantages}
 
     def _next_unit(self) -> list[Group] | None:
         """The driver's next unit, polling for a stop signal while waiting."""
@@ -201,25 +211,25 @@ class Trainer:
             seqs[sample.sample_id] = (sample.role, _sequence(sample, a, self.rollout.version, mask_old))
         samples.extend(unit_samples)
         for g in unit:
+            # With segment rollout a group holds samples finished in earlier steps: their tokens
+            # are masked (or importance-corrected), so every item trains as the current version;
+            # samples with nothing left to train are not scheduled.
             items = [SeqItem(key=s.sample_id, policy=self.config.policy_of(s.role), group_id=g.group_id,
                              num_tokens=len(s.prompt_token_ids or []) + len(s.response_token_ids or []),
-                             version=(s.metadata.get("token_versions") or [self.rollout.version])[-1])
-                     for s in g.samples if s.response_token_ids]
+                             version=self.rollout.version)
+                     for s in g.samples if s.response_token_ids and _trainable(seqs[s.sample_id][1])]
             if items:
                 out.append(items)
         return out
 
-    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> float:
-        spent = 0.0
+    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> None:
         for rnd in rounds:
             payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
-            msg = ("round", rnd.policy, payload)
-            self._broadcast(msg)
+            self._broadcast(("round", rnd.policy, payload))
             begin = time.perf_counter()
             self._run_round(rnd.policy, payload, acc)
-            spent += time.perf_counter() - begin
-        t["train"] += spent
-        return spent
+            t["rounds"].append((begin, time.perf_counter()))
+            t["train"] += t["rounds"][-1][1] - begin
 
     def _run_round(self, policy: str, payload: list, acc: "_MetricSums") -> None:
         from megatron.core import parallel_state as ps
@@ -237,7 +247,8 @@ class Trainer:
             batch["ref_logprobs"] = actor.reference_logprobs(batch["tokens"], temperature=batch["temperature"])
         metrics = actor.train_micro_batch(batch, self._loss_fn, with_entropy=True,
                                           entropy_grad=self.config.loss.entropy_coef > 0)
-        acc.add_units(policy, metrics.pop("aggregation_units"))
+        # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)
+        acc.add_units(policy, metrics.pop("aggregation_units"), metrics.pop("loss"))
         if real:
             acc.add({**metrics, "routing_replayed": float("routed_experts" in batch)})
 
@@ -269,7 +280,14 @@ class Trainer:
                 weights[k] += v
             for k, v in u.items():
                 self._units[k] += v
-        return {f"train/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0}
+        out = {f"train/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0 and k != "nonfinite"}
+        out["train/nonfinite_metrics"] = sums.get("nonfinite", 0.0)
+        losses = {p: self._units[f"{p}:loss"] / self._units[p] for p in self.actors if self._units.get(p)}
+        for policy, loss in losses.items():  # the step objective each optimizer step minimised
+            out[f"{policy}/loss"] = loss
+        if losses:
+            out["train/loss"] = sum(self._units[f"{p}:loss"] for p in losses) / sum(self._units[p] for p in losses)
+        return out
 
     # ---- metrics, evaluation ---------------------------------------------------------------
     def observer(self):
@@ -312,7 +330,7 @@ class Trainer:
                     "tokens/max_seq_len": max(lengths, default=0),
                     "tokens/attended_len": sum(n * n for n in lengths) / max(sum(lengths), 1),
                     "world/train_gpus": dist.get_world_size(),
-                    "world/rollout_gpus": self.config.engine.num_engines * self.config.engine.tp_size})
+                    "world/rollout_gpus": self.config.engine.num_engines * self.config.engine.tp_size * len(self.rollout.pools)})
         return out
 
     # ---- update, sync, evaluate, checkpoint ---------------------------------------------------
@@ -378,6 +396,18 @@ class Trainer:
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.start_step)
 
+    def _save_config(self) -> None:
+        """The resolved config next to the run (an earlier one is kept as config.<n>.json)."""
+        import json
+
+        from megatron_marsrl.rl.overrides import config_to_dict
+
+        path = self.run_dir / "config.json"
+        if path.is_file():
+            n = len(list(self.run_dir.glob("config.*.json")))
+            path.rename(self.run_dir / f"config.{n}.json")
+        path.write_text(json.dumps(config_to_dict(self.config), indent=2))
+
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
@@ -430,20 +460,28 @@ class _MetricSums:
 
     def add(self, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
-            if k.endswith("_count") or not math.isfinite(v):
+            if k.endswith("_count"):
+                continue
+            if not math.isfinite(v):  # counted, not averaged in (a NaN must not hide)
+                self.sums["nonfinite"] += 1.0
                 continue
             w = metrics.get(f"{k.split('/')[0]}/_count", 1.0) if "/" in k else metrics.get("_count", 1.0)
             self.sums[k] += v * w
             self.weights[k] += w
 
-    def add_units(self, policy: str, units: float) -> None:
+    def add_units(self, policy: str, units: float, loss: float) -> None:
         self.units[policy] += units
+        self.units[f"{policy}:loss"] += loss
 
 
 def _dp_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size()
+
+
+def _trainable(seq: Sequence) -> bool:
+    return seq.trained_from < len(seq.response_ids)
 
 
 def _sequence(sample: Sample, advantage: float, version: int, mask_old: bool) -> Sequence:

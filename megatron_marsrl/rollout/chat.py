@@ -7,6 +7,8 @@ and every completion carries its prompt ids, output ids and per-token log-probs.
 from __future__ import annotations
 
 import asyncio
+import uuid
+import zlib
 
 from megatron_marsrl.agents.client import Completion, GenerationRequest
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
@@ -52,8 +54,11 @@ class EngineChatGenerator:
         max_new = min(s.max_tokens, self.max_new_tokens) if self.max_new_tokens else s.max_tokens
         def sampling(i: int, done: int, budget: int) -> EngineSampling:
             # completion i of a seeded request gets seed + i (+ tokens so far, per segment)
+            seed = None if s.seed is None else zlib.crc32(f"{s.seed}:{i}:{done}".encode())
             return EngineSampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=budget,
-                                  stop_token_ids=self._stop_ids, seed=None if s.seed is None else s.seed + i + done)
+                                  stop_token_ids=self._stop_ids, seed=seed)
+
+        tag = uuid.uuid4().hex[:12]  # request ids must be unique across concurrent calls
 
         async def one(i: int) -> Completion:
             if self.gate is None:
@@ -70,7 +75,7 @@ class EngineChatGenerator:
                 budget = max_new - len(out_ids)
                 if self.segment_tokens:
                     budget = min(budget, self.segment_tokens)
-                out = await self.pool.generate(EngineRequest(prompt_ids=ids + out_ids, rid=f"c{i}",
+                out = await self.pool.generate(EngineRequest(prompt_ids=ids + out_ids, rid=f"{tag}-c{i}",
                                                              sampling=sampling(i, len(out_ids), budget),
                                                              return_routed_experts=self.routed_experts))
                 out_ids += out.output_ids

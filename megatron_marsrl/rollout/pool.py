@@ -70,6 +70,14 @@ class EnginePool:
             return slot.engine.generate([request])[0]
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
+        task = asyncio.current_task()
+        self._tasks.add(task)  # so that abort() cancels direct callers too
+        try:
+            return await self._generate(request)
+        finally:
+            self._tasks.discard(task)
+
+    async def _generate(self, request: EngineRequest) -> EngineOutput:
         async with self._sem:
             errors, tried = [], set()
             for attempt in range(self.max_attempts):
