@@ -8,9 +8,9 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from collections import defaultdict
@@ -66,9 +66,9 @@ class Trainer:
         self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.5) if not config.engine.quantization else 5.0
         self.rollout = None
         if self.rank == 0:
-            # The embedded engine samples in a background thread through torch's global CPU RNG;
-            # Megatron's RNG tracker notices the change on every forward and warns. Training
-            # draws no random numbers (no dropout), so the warning carries no information here.
+            # An in-process engine (SGLang's CPU path) samples in the rollout thread through
+            # torch's global CPU RNG; Megatron's RNG tracker notices the change on every forward
+            # and warns. Training draws no random numbers (no dropout): nothing to learn from it.
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
             from megatron_marsrl.rl.rollout_side import RolloutSide
 
@@ -96,7 +96,7 @@ class Trainer:
                                         "checkpoint directory (or 'task' for the task's tiny model)")
             return path
         path = self.run_dir / "initial_model"
-        rank = int(__import__("os").environ.get("RANK", 0))
+        rank = int(os.environ.get("RANK", 0))
         if rank == 0 and not (path / "config.json").is_file():
             from megatron_marsrl.agents import arithmetic
 
@@ -416,7 +416,6 @@ class Trainer:
 def _exit_with_launcher() -> None:
     """Exit when the launcher (torchrun) disappears, e.g. killed with SIGKILL: torchrun starts
     ranks in their own sessions, so nothing else would stop them. Engines die with us."""
-    import os
     import threading
 
     parent = os.getppid()
