@@ -20,19 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from megatron_marsrl.megatron.dist_checkpoint import _barrier, _rank
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step_"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

@@ -12,19 +12,8 @@ from megatron_marsrl.megatron.memory import (ColocatedRollout, MemoryBudgetError
 from megatron_marsrl.megatron.parallel import LayoutError, ParallelConfig
 from megatron_marsrl.megatron.tiny import FAMILIES, make_hf_checkpoint
 
-# config.json of Qwen/Qwen3-30B-A3B-Thinking-2507 (the original Qwen3-30B-A3B differs only in
-# max_position_embeddings 40960 and rope_theta 1e6).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
-    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 6144, "max_position_embeddings": 262144, "max_window_layers": 48,
-    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
-    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000,
-    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
+from megatron_marsrl.rl.recipes_qwen3 import QWEN3_30B_A3B_THINKING_2507 as QWEN3_30B_A3B  # noqa: E402
+
 ARCH = ModelArch.from_hf_dict(QWEN3_30B_A3B)
 
 # The layouts proposed for H100-80GB clusters (colocated SGLang, TP4 engines): each must fit.
