@@ -13,10 +13,7 @@ trainer's idle fraction are reported too.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -48,15 +45,11 @@ def run_real(args) -> int:
 
 
 def _measure(recipe: str, mode: str, overrides: list[str], workdir: Path) -> dict:
+    from megatron_marsrl.rl.bench_throughput import train_steps
+
     run_dir = workdir / mode.replace("+", "_")
-    cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, f"run.output_dir={run_dir}",
-           "run.progress=false", "run.eval_every=0", "run.checkpoint_every=0", *overrides]
-    print(f"[bench pipeline] {mode}: {' '.join(cmd[3:])}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "time/step" in r][1:]
+    steps = train_steps(recipe, [f"run.output_dir={run_dir}", "run.progress=false", "run.eval_every=0",
+                                 "run.checkpoint_every=0", *overrides], run_dir, label=f"bench pipeline: {mode}")
     return {key: statistics.median(r.get(key, 0.0) for r in steps) for key in FIGURES}
 
 

@@ -198,9 +198,7 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
     train_args = [*overrides, f"run.steps={steps}", f"run.output_dir={run_dir}", "run.progress=false",
                   "run.eval_every=0", "run.checkpoint_every=0"]
     config = resolve_config(recipe, train_args)  # fails here, before launching, on a bad override
-    _train(recipe, train_args, nproc_per_node)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    measured = [r for r in records if "time/step" in r][1:]
+    measured = train_steps(recipe, train_args, run_dir, nproc_per_node=nproc_per_node, label="bench throughput")
     arch = _arch(config, run_dir)
     device = device_peak(train_gpus=int(measured[0]["world/train_gpus"]) if measured else 1, peak_tflops=peak_tflops)
     record = throughput_record(measured, config=config, arch=arch, device=device)
@@ -210,14 +208,20 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
     return record
 
 
-def _train(recipe: str, overrides: list[str], nproc_per_node: int | None) -> None:
+def train_steps(recipe: str, overrides: list[str], run_dir: Path, *, nproc_per_node: int | None = None,
+                label: str) -> list[dict]:
+    """Run `marsrl train` (overrides must set run.output_dir=run_dir) as a subprocess and return
+    its per-step metrics records, the first (start-up, warm caches) dropped. Both benchmarks
+    measure through this."""
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, *overrides]
     if nproc_per_node:
         cmd += ["--nproc-per-node", str(nproc_per_node)]
-    print(f"[bench throughput] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    print(f"[{label}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"marsrl train failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "time/step" in r][1:]
 
 
 def _arch(config, run_dir: Path):
