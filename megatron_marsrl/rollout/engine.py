@@ -1,8 +1,9 @@
 """Records and the interface shared by the rollout engines."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -62,12 +63,45 @@ class EngineOutput:
     asked for or the request was aborted."""
 
 
+class EngineUnavailableError(ConnectionError):
+    """The engine (its process, connection or batcher) is gone: the request may be retried on
+    another engine. Errors of any other type come from the engine working on the request (a
+    programming or model error) and are not retried."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationTimeout:
+    """How long one request may take once the engine has started it (time spent waiting for
+    the engine's capacity does not count): ``base_s + per_token_s * max_new_tokens``."""
+
+    base_s: float = 120.0
+    per_token_s: float = 0.05
+    """Generous for one decoding sequence in a full batch (20-50 ms/token on a busy GPU)."""
+
+    def __post_init__(self):
+        if self.base_s <= 0 or self.per_token_s < 0:
+            raise ValueError(f"generation timeout base_s={self.base_s}, per_token_s={self.per_token_s}: "
+                             "base_s must be > 0 and per_token_s >= 0")
+
+    def seconds(self, requests: list[EngineRequest]) -> float:
+        return self.base_s + self.per_token_s * max(r.sampling.max_new_tokens for r in requests)
+
+
 class RolloutEngine(Protocol):
-    """What the trainer needs from an engine (embedded transformers or SGLang)."""
+    """What the trainer needs from an engine (embedded transformers or SGLang). Engines are
+    thread-safe: many requests may be in flight at once and the engine batches them."""
 
     weight_version: int
 
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]: ...
+    def submit(self, requests: list[EngineRequest], *,
+               on_start: Callable[[], None] | None = None) -> concurrent.futures.Future:
+        """Queue ``requests``; the future gives their outputs in order. ``on_start`` is called
+        (from any thread) when the engine starts working on them. Bad requests raise here."""
+        ...
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        """``submit(requests).result()``."""
+        ...
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, version: int) -> int:
         """Apply HF-named tensors (checkpoint names); returns how many were applied."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megatron_marsrl.rollout.engine import GenerationTimeout
+
 ENGINES = ("hf", "sglang", "sglang_server")
 
 
@@ -32,6 +34,16 @@ class RolloutEngineConfig:
     mem_fraction_static: float | None = None
     """SGLang's static memory fraction (colocated runs leave room for training)."""
     startup_timeout: float = 300.0
+    generation_timeout: GenerationTimeout = dataclasses.field(default_factory=GenerationTimeout)
+    """Limit of one request once its engine started it: base_s + per_token_s * max_new_tokens."""
+    max_inflight_per_engine: int = 512
+    """Requests in flight per engine; the engine batches them (SGLang: continuous batching)."""
+    max_batch_tokens: int = 65536
+    """Embedded engine: prompt + max_new_tokens summed over one batch."""
+    deterministic: bool = False
+    """SGLang engines honour per-request seeds (``enable_deterministic_inference``): the same
+    rollouts after a resume. GPU only (SGLang 0.5.23 has no deterministic CPU attention
+    backend) and slower; the embedded engine is always deterministic."""
     seed: int = 0
     routed_experts: bool = False
     """Engines record the experts each token was routed to (MoE routing replay in training)."""
@@ -48,6 +60,9 @@ class RolloutEngineConfig:
         check_kind(self.quantization, self.kind)
         if self.num_engines < 1 or self.tp_size < 1:
             raise ValueError(f"num_engines={self.num_engines}, tp_size={self.tp_size}: both must be >= 1")
+        if self.max_inflight_per_engine < 1 or self.max_batch_tokens < 1:
+            raise ValueError(f"max_inflight_per_engine={self.max_inflight_per_engine}, max_batch_tokens="
+                             f"{self.max_batch_tokens}: both must be >= 1")
         if self.kind != "hf" and self.base_gpu_id + self.num_engines * self.tp_size > self.gpus_per_node:
             raise ValueError(f"{self.num_engines} engines x tp {self.tp_size} from GPU {self.base_gpu_id} need more "
                              f"than the {self.gpus_per_node} GPUs of a node")
@@ -72,7 +87,8 @@ def start_engines(cfg: RolloutEngineConfig, model_dir: str):
         for engine in engines:
             engine.shutdown()
         raise
-    return EnginePool(engines)
+    return EnginePool(engines, max_concurrency=cfg.max_inflight_per_engine * len(engines),
+                      timeout=cfg.generation_timeout)
 
 
 def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
@@ -84,18 +100,22 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
     if cfg.kind == "hf":
         from megatron_marsrl.rollout.hf_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens)
+        return TransformersEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
+                                  max_batch_tokens=cfg.max_batch_tokens)
     if cfg.kind == "sglang":
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
-                            tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-                            quantization=cfg.quantization, enable_return_routed_experts=cfg.routed_experts)
+                            tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size,
+                            mem_fraction_static=cfg.mem_fraction_static, quantization=cfg.quantization,
+                            enable_return_routed_experts=cfg.routed_experts, deterministic=cfg.deterministic)
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     return SGLangServer(SGLangServerConfig(
         model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
         ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-        startup_timeout=cfg.startup_timeout, seed=cfg.seed + index, quantization=cfg.quantization,
+        startup_timeout=cfg.startup_timeout, generation_timeout=cfg.generation_timeout,
+        max_inflight=cfg.max_inflight_per_engine, deterministic=cfg.deterministic,
+        seed=cfg.seed + index, quantization=cfg.quantization,
         enable_return_routed_experts=cfg.routed_experts)).start()

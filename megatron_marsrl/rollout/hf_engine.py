@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from megatron_marsrl.rollout.batcher import DynamicBatcher
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineSampling
 from megatron_marsrl.rollout.routed_experts import RoutedExpertsRecorder, left_padded_rows
 
@@ -28,13 +29,19 @@ class UnknownWeightError(KeyError):
 
 
 class TransformersEngine:
-    """In-process engine over a HF checkpoint directory."""
+    """In-process engine over a HF checkpoint directory. Thread-safe: requests submitted
+    while a batch runs form the next batch (rollout/batcher.py)."""
 
     def __init__(self, model_dir: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 max_total_tokens: int = 4096):
+                 max_total_tokens: int = 4096, max_batch_tokens: int = 65536, device: str | None = None):
+        """``max_total_tokens`` bounds one request (prompt + max_new_tokens), ``max_batch_tokens``
+        the sum over a batch. ``device``: default CUDA when available (the current device),
+        else CPU."""
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.device = torch.device(device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
+                                              else "cpu"))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
         self.model.eval()
         self.config = self.model.config
         self.max_total_tokens = max_total_tokens
@@ -43,14 +50,29 @@ class TransformersEngine:
         self._generator = torch.Generator().manual_seed(seed)
         eos = self.config.eos_token_id
         self._eos = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._batcher = DynamicBatcher(self._run_batch, token_budget=max(max_batch_tokens, max_total_tokens),
+                                       name="hf-engine")
 
     # ---- generation -------------------------------------------------------------------
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+    def submit(self, requests: list[EngineRequest], *, on_start=None):
         for req in requests:
             self._check_request(req)
+        return self._batcher.submit(requests, on_start=on_start)
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        return self.submit(requests).result()
+
+    @property
+    def batch_sizes(self):
+        """Requests per batch of the latest batches."""
+        return self._batcher.batch_sizes
+
+    def _run_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        """One batch from the batcher: one generate() per set of stop tokens (the only setting
+        a batch must share; temperature, top-p/k, seed and length are per row)."""
         outputs: dict[int, EngineOutput] = {}
-        order = sorted(range(len(requests)), key=lambda i: _sampling_key(requests[i].sampling))
-        for _, group in groupby(order, key=lambda i: _sampling_key(requests[i].sampling)):
+        order = sorted(range(len(requests)), key=lambda i: _stops_key(requests[i].sampling))
+        for _, group in groupby(order, key=lambda i: _stops_key(requests[i].sampling)):
             idx = list(group)
             for i, out in zip(idx, self._generate_recording([requests[i] for i in idx])):
                 outputs[i] = out
@@ -84,8 +106,7 @@ class TransformersEngine:
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
-        sampling = requests[0].sampling
-        stops = set(self._eos) | set(sampling.stop_token_ids)
+        stops = set(self._eos) | set(requests[0].sampling.stop_token_ids)
         pad = self._eos[0] if self._eos else 0
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), width), pad, dtype=torch.long)
@@ -93,27 +114,25 @@ class TransformersEngine:
         for row, req in enumerate(requests):  # left padding: generation appends on the right
             ids[row, width - len(req.prompt_ids):] = torch.tensor(req.prompt_ids)
             mask[row, width - len(req.prompt_ids):] = 1
-        greedy = sampling.temperature == 0
-        # A seeded request (batches of one: the pool sends requests one by one) samples from its
-        # own generator, so its tokens do not depend on which requests ran before it.
-        seeded = len(requests) == 1 and sampling.seed is not None
-        generator = torch.Generator().manual_seed(sampling.seed & (2**63 - 1)) if seeded else self._generator
-        # Sampling never touches torch's global RNG: the trainer runs Megatron in another thread
-        # at the same time, and its RNG tracker saves/restores the global state around forwards.
-        # Gumbel-max over the filtered logits is an exact draw from softmax(logits / T).
-        processors = [] if greedy else [_GumbelSampler(sampling, generator)]
+        # Each row samples from its own generator: a seeded request gets the same tokens whatever
+        # it is batched with; unseeded rows share the engine's generator. Sampling never touches
+        # torch's global RNG: the trainer runs Megatron in another thread at the same time, and
+        # its RNG tracker saves/restores the global state around forwards. Gumbel-max over the
+        # filtered logits is an exact draw from softmax(logits / T).
+        rows = [(r.sampling, self._generator if r.sampling.seed is None
+                 else torch.Generator().manual_seed(r.sampling.seed & (2**63 - 1))) for r in requests]
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, logits_processor=processors,
-            max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stops) or None,
-            pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[:, width:]
-        scale = 1.0 if greedy else sampling.temperature
-        logp = torch.stack([torch.log_softmax(step.float() / scale, dim=-1) for step in out.logits], dim=1)
-        token_logp = logp.gather(-1, new[..., None])[..., 0]
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+            logits_processor=[_GumbelSampler(rows)], max_new_tokens=max(r.sampling.max_new_tokens for r in requests),
+            eos_token_id=sorted(stops) or None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, width:].cpu()
+        scale = torch.tensor([r.sampling.temperature or 1.0 for r in requests])[:, None]  # greedy: T = 1
+        logits = torch.stack([step.float().cpu() for step in out.logits], dim=1)
+        token_logp = torch.log_softmax(logits / scale[..., None], dim=-1).gather(-1, new[..., None])[..., 0]
         return [self._record(req, new[row], token_logp[row], stops) for row, req in enumerate(requests)]
 
     def _record(self, req: EngineRequest, tokens: torch.Tensor, logp: torch.Tensor, stops: set) -> EngineOutput:
-        ids = tokens.tolist()
+        ids = tokens.tolist()[: req.sampling.max_new_tokens]  # longer rows of the batch ran on
         end = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
         finish = "stop" if end is not None else "length"
         end = end or len(ids)
@@ -128,8 +147,9 @@ class TransformersEngine:
         for row, seq in enumerate(sequences):  # right padding: causal attention ignores it
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        with self._batcher.exclusive():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        logp = torch.log_softmax(logits[:, :-1].float().cpu() / temperature, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return [logp[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 
     # ---- weights ----------------------------------------------------------------------
@@ -138,11 +158,12 @@ class TransformersEngine:
         """Copy HF checkpoint-named tensors into the model. Unknown names raise (unlike
         SGLang, which ignores them): a sync that changes nothing must not pass silently."""
         applied = 0
-        for bucket in buckets:
-            for name, tensor in bucket:
-                self._target(name).copy_(tensor)
-                applied += 1
-        self.weight_version = version
+        with self._batcher.exclusive():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    self._target(name).copy_(tensor)
+                    applied += 1
+            self.weight_version = version
         return applied
 
     def _target(self, name: str) -> torch.Tensor:
@@ -162,31 +183,40 @@ class TransformersEngine:
         raise UnknownWeightError(f"weight update names {name!r}, which this {self.config.model_type} model does not have")
 
     def shutdown(self) -> None:
+        self._batcher.close()
         self.model = None
         self._params = {}
 
 
-def _sampling_key(s: EngineSampling) -> tuple:
-    return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(sorted(s.stop_token_ids)), s.seed)
+def _stops_key(s: EngineSampling) -> tuple[int, ...]:
+    return tuple(sorted(s.stop_token_ids))
 
 
 class _GumbelSampler:
-    """Logits processor: temperature, top-k, top-p, then Gumbel noise from our own generator,
-    so that transformers' greedy decoding picks an exact sample."""
+    """Logits processor: each row perturbed by :func:`gumbel_perturb` with its own sampling
+    and generator, so that transformers' greedy decoding picks an exact sample per row."""
 
-    def __init__(self, sampling: EngineSampling, generator: torch.Generator):
-        self.sampling, self.generator = sampling, generator
+    def __init__(self, rows: list[tuple[EngineSampling, torch.Generator]]):
+        self.rows = rows
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        s = self.sampling
-        scores = scores.float() / s.temperature
-        if s.top_k > 0 and s.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-            drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > s.top_p  # keep the first over p
-            scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        uniform = torch.rand(scores.shape, generator=self.generator).clamp_(1e-20, 1.0)
-        return scores - torch.log(-torch.log(uniform))
+        return torch.stack([gumbel_perturb(s, scores[row], g) for row, (s, g) in enumerate(self.rows)])
+
+
+def gumbel_perturb(s: EngineSampling, scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Temperature, top-k, top-p, then Gumbel noise from ``generator`` (on the CPU, so that the
+    draws are the same on every device): the argmax is an exact sample from the filtered
+    softmax(scores / T). Greedy (T = 0) returns the scores unchanged. Any leading shape."""
+    if s.temperature == 0:
+        return scores.float()
+    scores = scores.float() / s.temperature
+    if s.top_k > 0 and s.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > s.top_p  # keep the first over p
+        scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    uniform = torch.rand(scores.shape, generator=generator).clamp_(1e-20, 1.0).to(scores.device)
+    return scores - torch.log(-torch.log(uniform))

@@ -1,9 +1,15 @@
 """Several rollout engines behind one async interface.
 
+- Concurrency: requests go to the engines as they come, many at a time; engines batch them
+  (SGLang's continuous batching, our dynamic batcher for the one-batch-at-a-time engines).
 - Load balancing: each request goes to the usable engine with the fewest requests in flight.
-- Failure: a request that fails on an engine (connection lost, engine error, timeout) is
-  retried on another one, up to ``max_attempts``; it is never dropped silently: either it
-  returns or :class:`RequestFailedError` names it with every attempt's error.
+- Failure: a request whose engine is gone (connection lost, process died) or that timed out
+  is retried on another one, up to ``max_attempts``; it is never dropped silently: either it
+  returns or :class:`RequestFailedError` names it with every attempt's error. An error the
+  engine raised while working on the request (a programming or model error) is not retried:
+  it would fail the same way everywhere.
+- Timeouts (:class:`GenerationTimeout`) scale with ``max_new_tokens`` and count from the moment
+  the engine starts the request: waiting for the engine's capacity does not count.
 - Recovery: an engine whose process died is restarted in the background; it rejoins only
   once its weights are current again (its version equals the pool's, e.g. after the next
   :meth:`update_weights`), so no sample comes from stale weights.
@@ -16,11 +22,12 @@ import dataclasses
 import logging
 import threading
 
-from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
+from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineUnavailableError, GenerationTimeout
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (ConnectionError, TimeoutError, OSError, RuntimeError)
+RETRYABLE = (ConnectionError, TimeoutError)
+"""The engine is gone or too slow; anything else the engine raised is about the request."""
 
 
 class RequestFailedError(RuntimeError):
@@ -32,17 +39,19 @@ class _Slot:
     engine: object
     inflight: int = 0
     restarting: bool = False
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class EnginePool:
-    def __init__(self, engines: list, *, max_concurrency: int = 64, request_timeout: float = 600.0,
+    def __init__(self, engines: list, *, max_concurrency: int = 1024, timeout: GenerationTimeout | None = None,
                  max_attempts: int = 3, wait_for_engine: float = 600.0):
+        """``max_concurrency``: requests in flight over all engines (the engines batch them).
+        ``wait_for_engine``: how long a request may wait for a usable engine (all dead or
+        restarting)."""
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self._slots = [_Slot(e) for e in engines]
         self._sem = asyncio.Semaphore(max_concurrency)
-        self.request_timeout = request_timeout
+        self.timeout = timeout or GenerationTimeout()
         self.max_attempts = max_attempts
         self.wait_for_engine = wait_for_engine
         self.version = 0
@@ -65,9 +74,25 @@ class EnginePool:
                 raise RequestFailedError(f"no usable engine for {self.wait_for_engine:.0f} s")
             await asyncio.sleep(0.2)
 
-    def _call(self, slot: _Slot, request: EngineRequest) -> EngineOutput:
-        with slot.lock:  # engines are not thread-safe; one call per engine at a time
-            return slot.engine.generate([request])[0]
+    async def _attempt(self, slot: _Slot, request: EngineRequest) -> EngineOutput:
+        """One try on one engine: no limit while queued there (as long as the engine is alive),
+        then the generation timeout."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+
+        def on_start():  # called from the engine's thread
+            loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+
+        future = asyncio.wrap_future(slot.engine.submit([request], on_start=on_start))
+        try:
+            while not (started.done() or future.done()):
+                await asyncio.wait({started, future}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+                if not getattr(slot.engine, "alive", lambda: True)():
+                    raise EngineUnavailableError("the engine died while the request was queued")
+            return (await asyncio.wait_for(future, self.timeout.seconds([request])))[0]
+        finally:
+            started.cancel()
+            future.cancel()  # drops the request if it is still queued in the engine
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         task = asyncio.current_task()
@@ -85,8 +110,11 @@ class EnginePool:
                 slot = self._slots[idx]
                 slot.inflight += 1
                 try:
-                    return await asyncio.wait_for(asyncio.to_thread(self._call, slot, request), self.request_timeout)
-                except (*RETRYABLE, asyncio.TimeoutError) as exc:
+                    return await self._attempt(slot, request)
+                except Exception as exc:
+                    alive = getattr(slot.engine, "alive", lambda: True)()
+                    if not isinstance(exc, (*RETRYABLE, asyncio.TimeoutError)) and alive:
+                        raise  # the engine's own answer about this request: the same everywhere
                     errors.append(f"engine {idx}: {type(exc).__name__}: {exc}")
                     self.failures.append({"rid": request.rid, "engine": idx, "attempt": attempt, "error": str(exc)})
                     tried.add(idx)
@@ -135,10 +163,9 @@ class EnginePool:
         """Apply each bucket to every live engine; bumps the pool's version."""
         live = [s for s in self._slots if getattr(s.engine, "alive", lambda: True)() and not s.restarting]
         applied = 0
-        for bucket in buckets:
+        for bucket in buckets:  # engines apply updates between their batches
             for slot in live:
-                with slot.lock:
-                    applied += slot.engine.update_weights([bucket], version=version)
+                applied += slot.engine.update_weights([bucket], version=version)
         self.version = version
         return applied
 
@@ -147,8 +174,7 @@ class EnginePool:
         usable = [s for s in self._slots if self._usable(s)]
         if not usable:
             raise RequestFailedError("no usable engine to score the probe")
-        with usable[0].lock:
-            return usable[0].engine.score(sequences, temperature=temperature)
+        return usable[0].engine.score(sequences, temperature=temperature)
 
     def shutdown(self) -> None:
         for slot in self._slots:

@@ -4,6 +4,14 @@ On CPU SGLang needs SGLANG_USE_CPU_ENGINE=1 and an import-only stand-in for its 
 package (sglang_cpu_shim/sgl_kernel), put first on the path of SGLang's processes only. The
 engine runs in-process (sglang.Engine, which spawns its scheduler); the weight update uses
 SGLang's begin/update/end session, which 0.5.23 requires, with one flattened bucket per call.
+``sglang.Engine.generate`` blocks its caller, so requests from many callers go through our
+dynamic batcher (rollout/batcher.py): those waiting when a call ends form the next call, and
+SGLang batches each call's requests itself.
+
+Per-request seeds are sent as SGLang's ``sampling_seed``; SGLang honours them only when the
+engine runs with ``enable_deterministic_inference`` (``deterministic=True``: GPU attention
+backends fa3/flashinfer/triton; CPU's torch_native backend is refused by SGLang 0.5.23), and
+otherwise samples from its own RNG.
 
 Log-probs: SGLang reports output tokens under logits / temperature (as Megatron recomputes
 them) but prompt tokens at temperature 1, so :meth:`score` only scores at temperature 1.
@@ -22,6 +30,7 @@ from typing import Iterable
 
 import torch
 
+from megatron_marsrl.rollout.batcher import DynamicBatcher
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
 from megatron_marsrl.rollout.routed_experts import decode_sglang, experts_layout
 
@@ -47,8 +56,9 @@ class SGLangEngine:
     """One SGLang engine over a HF checkpoint directory."""
 
     def __init__(self, model_dir: str, *, max_total_tokens: int = 16384, dtype: str = "auto", seed: int = 0,
-                 tp_size: int = 1, mem_fraction_static: float | None = None,
-                 enable_return_routed_experts: bool = False, quantization: str | None = None, **server_args):
+                 tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float | None = None,
+                 enable_return_routed_experts: bool = False, quantization: str | None = None,
+                 deterministic: bool = False, **server_args):
         from megatron_marsrl.rollout.fp8 import check_start, sglang_args
 
         check_start(quantization, kind="sglang", model_dir=model_dir)  # FP8: a GPU and a model class SGLang supports
@@ -58,7 +68,7 @@ class SGLangEngine:
         from sglang.srt.entrypoints.engine import Engine
 
         kwargs = dict(model_path=str(model_dir), max_total_tokens=max_total_tokens, skip_tokenizer_init=True,
-                      random_seed=seed, tp_size=tp_size, log_level="error",
+                      random_seed=seed, tp_size=tp_size, base_gpu_id=base_gpu_id, log_level="error",
                       dtype="float32" if on_cpu and dtype == "auto" else dtype)
         if on_cpu:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
@@ -66,19 +76,33 @@ class SGLangEngine:
             kwargs["mem_fraction_static"] = mem_fraction_static
         if enable_return_routed_experts:
             kwargs["enable_return_routed_experts"] = True
+        if deterministic:
+            kwargs["enable_deterministic_inference"] = True
         kwargs.update(sglang_args(quantization))
         self.experts_layout = experts_layout(model_dir)
         self.max_total_tokens = max_total_tokens
         self.weight_version = 0
         self._tp_size = tp_size
         self._engine = Engine(**kwargs, **server_args)
+        self._batcher = DynamicBatcher(self._run_batch, token_budget=max_total_tokens, name="sglang-engine")
 
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+    def submit(self, requests: list[EngineRequest], *, on_start=None):
         for req in requests:
             total = len(req.prompt_ids) + req.sampling.max_new_tokens
             if not req.prompt_ids or total > self.max_total_tokens:
                 raise ValueError(f"request {req.rid!r}: {len(req.prompt_ids)} prompt tokens + max_new_tokens "
                                  f"{req.sampling.max_new_tokens} must be in 1..max_total_tokens={self.max_total_tokens}")
+        return self._batcher.submit(requests, on_start=on_start)
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        return self.submit(requests).result()
+
+    @property
+    def batch_sizes(self):
+        """Requests per batch of the latest batches."""
+        return self._batcher.batch_sizes
+
+    def _run_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
         params = [_sampling_params(r) for r in requests]
         outs = self._engine.generate(input_ids=[list(r.prompt_ids) for r in requests], sampling_params=params,
                                      return_logprob=True,
@@ -88,29 +112,32 @@ class SGLangEngine:
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         if temperature != 1.0:
             raise ValueError("SGLang reports prompt log-probs at temperature 1 only; score with temperature=1.0")
-        outs = self._engine.generate(input_ids=[list(s) for s in sequences],
-                                     sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                     return_logprob=True, logprob_start_len=0)
+        with self._batcher.exclusive():
+            outs = self._engine.generate(input_ids=[list(s) for s in sequences],
+                                         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                         return_logprob=True, logprob_start_len=0)
         return [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
     def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, version: int) -> int:
         """HF checkpoint-named tensors, one update call per bucket inside one update session.
         SGLang ignores names it does not know: verify with a log-prob probe after syncing."""
         applied = 0
-        _check(self._engine.begin_weight_update(), "begin_weight_update")
-        try:
-            for bucket in buckets:
-                payloads = [serialize_bucket(bucket)] * self._tp_size
-                _check(self._engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False),
-                       "update_weights_from_tensor")
-                applied += len(bucket)
-        finally:
-            _check(self._engine.end_weight_update(), "end_weight_update")
-        self._engine.flush_cache()
-        self.weight_version = version
+        with self._batcher.exclusive():  # between generate calls
+            _check(self._engine.begin_weight_update(), "begin_weight_update")
+            try:
+                for bucket in buckets:
+                    _check(self._engine.update_weights_from_tensor(serialize_per_rank(bucket, self._tp_size),
+                                                                   load_format="flattened_bucket", flush_cache=False),
+                           "update_weights_from_tensor")
+                    applied += len(bucket)
+            finally:
+                _check(self._engine.end_weight_update(), "end_weight_update")
+            self._engine.flush_cache()
+            self.weight_version = version
         return applied
 
     def shutdown(self) -> None:
+        self._batcher.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -142,15 +169,19 @@ def _routed_experts(req: EngineRequest, meta: dict, rows: int, layout: tuple[int
     return decode_sglang(encoded, rows=rows, layout=layout)
 
 
-def serialize_bucket(bucket: list[tuple[str, torch.Tensor]], *, output_str: bool = False):
-    """One bucket as a single flattened tensor + metadata, serialized for SGLang's
-    ``load_format="flattened_bucket"``: one IPC handle per bucket instead of one per tensor."""
+def serialize_per_rank(bucket: list[tuple[str, torch.Tensor]], tp_size: int, *, output_str: bool = False) -> list:
+    """One bucket as a single flattened tensor + metadata for SGLang's
+    ``load_format="flattened_bucket"`` (one IPC handle per bucket instead of one per tensor),
+    serialized once per engine TP rank: each rank opens and releases its own handle (SGLang
+    0.5.23 indexes the list by TP rank; one serialization shared by all ranks would be released
+    by the first). The tensor stays on the trainer's device: on GPU the engine ranks open a
+    handle to rank 0's GPU memory (slime and verl serialize on each rank's own GPU instead)."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     flat = FlattenedTensorBucket(named_tensors=list(bucket))
     payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return MultiprocessingSerializer.serialize(payload, output_str=output_str)
+    return [MultiprocessingSerializer.serialize(payload, output_str=output_str) for _ in range(tp_size)]
 
 
 def _check(result, what: str) -> None:
@@ -162,6 +193,8 @@ def _check(result, what: str) -> None:
 def _sampling_params(req: EngineRequest) -> dict:
     s = req.sampling
     params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_new_tokens": s.max_new_tokens}
+    if s.seed is not None:  # honoured by engines started with enable_deterministic_inference
+        params["sampling_seed"] = s.seed & (2**63 - 1)
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
     return params

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
+from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
 from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError
 
 _RUNNING: set["SGLangServer"] = set()
@@ -62,6 +62,13 @@ class SGLangServerConfig:
     """Record each token's routed experts (MoE) so requests with ``return_routed_experts``
     get them back for routing replay in the trainer."""
     startup_timeout: float = 300.0
+    generation_timeout: GenerationTimeout = dataclasses.field(default_factory=GenerationTimeout)
+    """HTTP limit of a generate call (the server's own queueing counts against it)."""
+    max_inflight: int = 512
+    """Generate calls sent concurrently (the server batches them continuously)."""
+    deterministic: bool = False
+    """``--enable-deterministic-inference``: per-request seeds are honoured (GPU attention backends
+    only; SGLang 0.5.23 refuses CPU's torch_native)."""
     seed: int = 0
     quantization: str | None = None
     """None or "fp8": FP8 weights, re-quantized on every weight update (GPU only; rollout/fp8.py)."""
@@ -136,6 +143,7 @@ class SGLangServer:
         self.url = ""
         self.log_path = Path(config.log_dir or os.environ.get("TMPDIR", "/tmp")) / f"sglang-{os.getpid()}-{id(self)}.log"
         self.weight_version = 0
+        self._senders = None  # a thread per concurrent HTTP generate call, created on first use
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "SGLangServer":
@@ -162,6 +170,8 @@ class SGLangServer:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.enable_return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        if cfg.deterministic:
+            cmd += ["--enable-deterministic-inference"]
         for key, value in sglang_args(cfg.quantization).items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +257,21 @@ class SGLangServer:
         except json.JSONDecodeError:  # a few endpoints (flush_cache) answer in plain text
             return {"text": body.decode(errors="replace")}
 
-    def generate(self, requests: list[EngineRequest], timeout: float = 600.0) -> list[EngineOutput]:
+    def submit(self, requests: list[EngineRequest], *, on_start=None):
+        """Send the generate call from a sender thread (many at once: the server batches them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._senders is None:
+            self._senders = ThreadPoolExecutor(self.config.max_inflight, thread_name_prefix="sglang-http")
+
+        def send():
+            if on_start is not None:
+                on_start()
+            return self.generate(requests)
+
+        return self._senders.submit(send)
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
         from megatron_marsrl.rollout.routed_experts import experts_layout
         from megatron_marsrl.rollout.sglang_engine import _sampling_params, to_record
 
@@ -255,7 +279,7 @@ class SGLangServer:
                                         "sampling_params": [_sampling_params(r) for r in requests],
                                         "return_logprob": True, "rid": [r.rid or f"r{i}" for i, r in enumerate(requests)],
                                         "return_routed_experts": any(r.return_routed_experts for r in requests)},
-                          timeout)
+                          self.config.generation_timeout.seconds(requests))
         outs = outs if isinstance(outs, list) else [outs]
         layout = experts_layout(self.config.model_path) if any(r.return_routed_experts for r in requests) else None
         return [to_record(r, o, self.weight_version, experts_layout=layout) for r, o in zip(requests, outs)]
@@ -274,7 +298,7 @@ class SGLangServer:
         """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
         needs the file_system sharing strategy in this process). Generation is paused for the
         update (in-flight requests are retracted and resumed on the new weights)."""
-        from megatron_marsrl.rollout.sglang_engine import serialize_bucket
+        from megatron_marsrl.rollout.sglang_engine import serialize_per_rank
 
         torch.multiprocessing.set_sharing_strategy("file_system")
         applied = 0
@@ -282,7 +306,7 @@ class SGLangServer:
         self._ok(self._post("/begin_weight_update", {}, 60), "begin_weight_update")
         try:
             for bucket in buckets:
-                payload = [serialize_bucket(bucket, output_str=True)] * self.config.tp_size
+                payload = serialize_per_rank(bucket, self.config.tp_size, output_str=True)
                 self._ok(self._post("/update_weights_from_tensor", {"serialized_named_tensors": payload,
                                                                     "load_format": "flattened_bucket",
                                                                     "flush_cache": False,
@@ -344,6 +368,8 @@ class SGLangServer:
 
     def shutdown(self) -> None:
         self.stop()
+        if self._senders is not None:
+            self._senders.shutdown(wait=False, cancel_futures=True)
 
 
 @atexit.register

@@ -1,13 +1,15 @@
-"""The embedded engine's sampler: exact draws, its own RNG, reproducible per-request seeds."""
+"""The embedded engine's sampler: exact draws, its own RNG, reproducible per-request seeds
+whatever a request is batched with, and the dynamic batcher in front of it."""
+import concurrent.futures
+
 import torch
 
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
-from megatron_marsrl.rollout.hf_engine import TransformersEngine, _GumbelSampler
+from megatron_marsrl.rollout.hf_engine import TransformersEngine, gumbel_perturb
 
 
 def _frequencies(sampling: EngineSampling, logits: torch.Tensor, n: int = 40000) -> torch.Tensor:
-    sampler = _GumbelSampler(sampling, torch.Generator().manual_seed(0))
-    picks = sampler(None, logits.expand(n, -1)).argmax(-1)
+    picks = gumbel_perturb(sampling, logits.expand(n, -1), torch.Generator().manual_seed(0)).argmax(-1)
     return torch.bincount(picks, minlength=logits.shape[-1]).float() / n
 
 
@@ -37,3 +39,47 @@ def test_seeded_requests_ignore_the_global_rng(tiny_hf):
     state = torch.get_rng_state()
     assert engine.generate([req])[0].output_ids == first
     assert torch.equal(torch.get_rng_state(), state)  # generation left the global RNG alone
+
+
+def _seeded(prompt, seed, max_new=10, **kw):
+    return EngineRequest(rid=f"s{seed}", prompt_ids=prompt,
+                         sampling=EngineSampling(temperature=1.0, max_new_tokens=max_new, seed=seed, **kw))
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch(tiny_hf):
+    """Same request + same seed = same tokens and log-probs, alone or inside a batch of other
+    prompts (other lengths, sampling settings and limits): each row has its own generator."""
+    engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
+    target = _seeded([4, 9, 2, 7], 1234)
+    alone = engine.generate([target])[0]
+    others = [_seeded([3] * n, 50 + n, max_new=4 + n, top_p=0.9) for n in (1, 6, 11)]
+    others.append(EngineRequest(prompt_ids=[8, 8], sampling=EngineSampling(temperature=0.0, max_new_tokens=16)))
+    batched = engine.generate(others[:2] + [target] + others[2:])
+    assert batched[2].output_ids == alone.output_ids
+    assert torch.allclose(torch.tensor(batched[2].logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    assert [len(o.output_ids) for o in batched[:2]] == [5, 10]  # each row keeps its own limit
+    assert engine.generate([_seeded([4, 9, 2, 7], 999)])[0].output_ids != alone.output_ids  # the seed matters
+    engine.shutdown()
+
+
+def test_concurrent_requests_form_batches_and_keep_their_seeds(tiny_hf):
+    """Requests sent one by one from many threads run as a few batches, not one by one, and each
+    gets the tokens it gets alone."""
+    engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
+    requests = [_seeded([1 + i % 5, 2, 3 + i % 3], 100 + i, max_new=6) for i in range(16)]
+    alone = [engine.generate([r])[0].output_ids for r in requests[:4]]
+    runs_before = len(engine.batch_sizes)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda r: engine.generate([r])[0], requests))
+    batches = list(engine.batch_sizes)[runs_before:]
+    assert sum(batches) == 16 and len(batches) <= 4, batches
+    assert [o.output_ids for o in outs[:4]] == alone
+    engine.shutdown()
+
+
+def test_the_batch_token_budget_bounds_batches(tiny_hf):
+    engine = TransformersEngine(tiny_hf("qwen3"), seed=0, max_total_tokens=64, max_batch_tokens=64)
+    futures = [engine.submit([_seeded([1, 2, 3, 4], i, max_new=12)]) for i in range(8)]  # 16 tokens each
+    assert all(len(f.result()[0].output_ids) <= 12 for f in futures)
+    assert max(engine.batch_sizes) <= 4 and sum(engine.batch_sizes) == 8
+    engine.shutdown()

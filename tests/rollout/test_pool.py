@@ -25,13 +25,12 @@ class Counting:
     def alive(self):
         return self._alive
 
-    def generate(self, requests):
+    def submit(self, requests, *, on_start=None):
         self.calls += 1
         if self.fail:
             self._alive = False
             raise ConnectionError("connection reset by peer")
-        time.sleep(0.05)  # let requests overlap so balancing is visible
-        return self.engine.generate(requests)
+        return self.engine.submit(requests, on_start=on_start)
 
     def restart(self):
         self.restarts += 1
