@@ -58,7 +58,8 @@ def test_bench_rollout_and_weight_sync_report_figures(tmp_path):
                         "--json", tmp_path / "r.json")
     assert code == 0, out
     row = json.loads((tmp_path / "r.json").read_text())["hf"]
-    assert row["tokens_per_batch"] == 16 and row["tokens_per_s"] > 0
+    assert row["tokens_per_batch"] == 16 and row["batch_tokens_per_s"] > 0 and row["pool_tokens_per_s"] > 0
+    assert row["pool_over_batch"] > 0 and "pool/batch" in out
     code, out = _marsrl("bench", "weight-sync", "--size-mb", 30, "--repeats", 1, "--json", tmp_path / "w.json")
     assert code == 0, out
     result = json.loads((tmp_path / "w.json").read_text())

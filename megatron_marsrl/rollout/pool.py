@@ -58,6 +58,10 @@ class EnginePool:
         self.failures: list[dict] = []
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def engines(self) -> list:
+        return [slot.engine for slot in self._slots]
+
     # ---- routing -----------------------------------------------------------------------
     def _usable(self, slot: _Slot) -> bool:
         alive = getattr(slot.engine, "alive", lambda: True)()
