@@ -3,9 +3,9 @@
 - :class:`HFCheckpointReader` opens a HF directory (single file or sharded index) and reads
   only the slices a rank needs (safetensors ``get_slice``), never the whole checkpoint.
 - :func:`load_hf_weights` fills this rank's parameters; every rank reads its own shards.
-- :func:`export_hf_buckets` yields ``[(hf_name, tensor), ...]`` buckets of bounded size on every
-  rank, gathered over TP/ETP and sent from the owning PP/EP rank; the SGLang weight sync and
-  :func:`save_hf_checkpoint` both consume it.
+- :func:`export_hf_buckets` yields ``[(hf_name, tensor), ...]`` buckets of bounded size on one
+  rank, gathered over TP/ETP and sent there from the owning PP/EP rank; the engine weight
+  sync and :func:`save_hf_checkpoint` both consume it.
 """
 from __future__ import annotations
 
@@ -179,41 +179,50 @@ def _gather_unit(param: torch.Tensor, unit: hf_mapping.Unit) -> list[torch.Tenso
 
 
 def export_hf_buckets(model, arch: ModelArch, *, bucket_bytes: int = 512 << 20,
-                      dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                      dtype: torch.dtype | None = None, dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield the full model as HF-named tensors in buckets of at most ``bucket_bytes``
-    (a single larger tensor gets a bucket of its own), identically on every rank.
+    (a single larger tensor gets a bucket of its own), on rank ``dst`` only.
 
-    Collective: every rank of the world must iterate it to the end. Memory beyond the model
-    is one gathered unit plus one bucket. Tensors may alias the model's parameters (world
-    size 1, replicated units): consume or copy them before the next optimizer step.
+    Collective: every rank of the world must iterate it to the end (the other ranks gather
+    their tensor-parallel shards and send what they own to ``dst``; they yield nothing).
+    Received tensors are allocated on ``dst``'s current device (CUDA under NCCL). Memory
+    beyond the model is one gathered unit plus one bucket. Tensors may alias the model's
+    parameters (units ``dst`` holds whole): consume or copy them before the next optimizer step.
     """
     mine = {unit.key: (param, unit) for param, unit, _ in _local_units(model, arch)}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    held = [None] * world
+    if not 0 <= dst < world:
+        raise ValueError(f"dst={dst}: not a rank of this world of {world}")
+    held = [sorted(mine)]
     if world > 1:
+        held = [None] * world
         dist.all_gather_object(held, sorted(mine))
-    else:
-        held = [sorted(mine)]
     owner = {}
     for rank, keys in enumerate(held):
         for key in keys:
             owner.setdefault(key, rank)
+    owner.update({key: dst for key in held[dst]})  # what dst holds itself never travels
     shapes = hf_mapping.hf_shapes(arch)
     me = dist.get_rank() if world > 1 else 0
+    device = next(model.parameters()).device
     bucket, size = [], 0
     for unit in hf_mapping.units(arch):
         pieces = {}
         if unit.key in mine:
             param, _ = mine[unit.key]
             pieces = dict(hf_mapping.hf_from_shards(unit, _gather_unit(param, unit), arch))
+        src = owner[unit.key]
         for name in unit.hf_names:
-            if world == 1:
+            if me == src and me != dst:
+                dist.send(pieces[name].contiguous(), dst=dst)
+                continue
+            if me != dst:
+                continue
+            if src == dst:
                 tensor = pieces[name]
-            else:
-                # Non-owners receive into a fresh buffer, never into a view of a parameter.
-                src = owner[unit.key]
-                tensor = pieces[name].contiguous() if me == src else torch.empty(shapes[name], dtype=_model_dtype(model))
-                dist.broadcast(tensor, src=src)
+            else:  # a fresh buffer, never a view of a parameter
+                tensor = torch.empty(shapes[name], dtype=_model_dtype(model), device=device)
+                dist.recv(tensor, src=src)
             if dtype is not None:
                 tensor = tensor.to(dtype)
             nbytes = tensor.numel() * tensor.element_size()
@@ -257,14 +266,12 @@ def save_hf_checkpoint(model, arch: ModelArch, out_dir: str | Path, *, hf_config
             weight_map.update({n: fname for n in shard})
             shard, shard_size = {}, 0
 
-    for bucket in export_hf_buckets(model, arch, bucket_bytes=min(shard_bytes, 512 << 20)):
-        if rank != 0:
-            continue
+    for bucket in export_hf_buckets(model, arch, bucket_bytes=min(shard_bytes, 512 << 20)):  # rank 0's
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
             if shard and shard_size + nbytes > shard_bytes:
                 flush()
-            shard[name] = tensor.clone()
+            shard[name] = tensor.to("cpu", copy=True)  # shards wait in host memory
             shard_size += nbytes
         if progress:
             progress(sum(t.numel() * t.element_size() for _, t in bucket))

@@ -1,7 +1,8 @@
 """Megatron -> rollout engine weight sync, and the train/rollout log-prob mismatch probe.
 
 Both are collective over the training ranks: every rank runs the export (TP/EP gathers, PP/EP
-broadcasts inside export_hf_buckets) and only the rank that holds an engine applies buckets.
+sends inside export_hf_buckets) and only rank 0, which holds the engines, receives and applies
+buckets.
 Memory beyond the model stays at one bucket plus one gathered tensor.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from megatron_marsrl.megatron.hf_config import ModelArch
 
 
 def sync_weights(model, arch: ModelArch, engine, *, version: int, bucket_bytes: int = 256 << 20) -> dict:
-    """Send the current Megatron weights to ``engine`` (None on ranks without one)."""
+    """Send the current Megatron weights to ``engine`` (on rank 0; None on the other ranks,
+    which only take part in the export). ``bytes`` counts what rank 0 received."""
     start = time.perf_counter()
     nbytes = tensors = 0
     for bucket in export_hf_buckets(model, arch, bucket_bytes=bucket_bytes):
