@@ -82,13 +82,15 @@ class RolloutSide:
         samples: list[Sample] = [s for g in groups for s in g.samples]
         return {f"eval/{k}": v for k, v in role_metrics(samples).items() if not k.endswith("/samples")}
 
-    def probe_sequences(self, samples: list[Sample], per_policy: int = 2) -> dict[str, list[list[int]]]:
-        """A few generated sequences per policy for the post-sync check."""
+    def probe_sequences(self, samples: list[Sample], per_policy: int = 2,
+                        max_tokens: int = 128) -> dict[str, list[list[int]]]:
+        """A few generated sequences per policy for the post-sync check, each cut to its last
+        ``max_tokens`` tokens (a few hundred tokens in all: the probe runs every step)."""
         out: dict[str, list[list[int]]] = {}
         for s in samples:
             seqs = out.setdefault(self.config.policy_of(s.role), [])
             if len(seqs) < per_policy and s.response_token_ids:
-                seqs.append(list(s.prompt_token_ids or []) + list(s.response_token_ids))
+                seqs.append((list(s.prompt_token_ids or []) + list(s.response_token_ids))[-max_tokens:])
         return out
 
     def state_dict(self, *, step_start: bool = False) -> dict:

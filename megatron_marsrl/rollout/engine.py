@@ -111,4 +111,9 @@ class RolloutEngine(Protocol):
         """Log-probs of tokens[1:] given the prefix (the weight-sync probe)."""
         ...
 
+    def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor | None]:
+        """The first ``rows`` rows (dim 0) of each HF-named tensor as the engine holds it (its
+        first TP shard), or None where the engine cannot read weights back."""
+        ...
+
     def shutdown(self) -> None: ...

@@ -166,6 +166,10 @@ class TransformersEngine:
             self.weight_version = version
         return applied
 
+    def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor]:
+        with self._batcher.exclusive():
+            return {name: self._target(name)[:rows].to("cpu", copy=True) for name in names}
+
     def _target(self, name: str) -> torch.Tensor:
         if name in self._params:
             return self._params[name].data

@@ -175,10 +175,17 @@ class EnginePool:
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         """Log-probs of tokens[1:] from the first usable engine (the weight-sync probe)."""
+        return self._first_usable("score the probe").score(sequences, temperature=temperature)
+
+    def read_weights(self, names: list[str], rows: int) -> dict:
+        """The first rows of HF-named tensors from the first usable engine (the sync check)."""
+        return self._first_usable("read weights from").read_weights(names, rows)
+
+    def _first_usable(self, purpose: str):
         usable = [s for s in self._slots if self._usable(s)]
         if not usable:
-            raise RequestFailedError("no usable engine to score the probe")
-        return usable[0].engine.score(sequences, temperature=temperature)
+            raise RequestFailedError(f"no usable engine to {purpose}")
+        return usable[0].engine
 
     def shutdown(self) -> None:
         for slot in self._slots:

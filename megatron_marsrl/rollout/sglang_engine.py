@@ -136,6 +136,11 @@ class SGLangEngine:
             self.weight_version = version
         return applied
 
+    def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor | None]:
+        """SGLang's get_weights_by_name (None for models without it, e.g. Qwen2/Qwen3 in 0.5.23)."""
+        with self._batcher.exclusive():
+            return {name: weights_or_none(self._engine.get_weights_by_name(name, truncate_size=rows)) for name in names}
+
     def shutdown(self) -> None:
         self._batcher.close()
         if self._engine is not None:
@@ -157,6 +162,11 @@ def to_record(req: EngineRequest, out: dict, weight_version: int, *,
     return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids,
                         logprobs=[entry[0] for entry in meta["output_token_logprobs"]],
                         finish_reason=finish, weight_version=weight_version, routed_experts=routed)
+
+
+def weights_or_none(values) -> torch.Tensor | None:
+    """A get_weights_by_name answer (nested lists of float32 values, or None) as a tensor."""
+    return None if values is None else torch.tensor(values, dtype=torch.float32)
 
 
 def _routed_experts(req: EngineRequest, meta: dict, rows: int, layout: tuple[int, int] | None):

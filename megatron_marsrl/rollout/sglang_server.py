@@ -294,6 +294,19 @@ class SGLangServer:
         outs = outs if isinstance(outs, list) else [outs]
         return [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
+    def read_weights(self, names: list[str], rows: int) -> dict[str, torch.Tensor | None]:
+        """/get_weights_by_name (None for models SGLang cannot read back, e.g. Qwen2/Qwen3)."""
+        from megatron_marsrl.rollout.sglang_engine import weights_or_none
+
+        out = {}
+        for name in names:
+            try:
+                answer = self._post("/get_weights_by_name", {"name": name, "truncate_size": rows}, 60)
+            except (ValueError, EngineError):  # the server answers an error for unsupported models
+                answer = None
+            out[name] = weights_or_none(answer if isinstance(answer, list) else None)
+        return out
+
     def update_weights(self, buckets, *, version: int) -> int:
         """Send HF-named tensors over HTTP (tensors travel through shared memory files, which
         needs the file_system sharing strategy in this process). Generation is paused for the

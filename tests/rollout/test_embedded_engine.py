@@ -102,9 +102,14 @@ def test_sgl_kernel_stand_in_raises_and_leaves_a_trace(tmp_path, monkeypatch):
     assert shim.CALLED == ["rmsnorm"] and log.read_text() == "rmsnorm\n"
 
 
-def test_a_sync_that_changes_nothing_is_detected(tiny_hf):
-    message = launch("tests.rollout.workers:sync_that_misses_tensors", 1, {"hf_dir": tiny_hf("qwen3_moe")})[0]
-    assert "differ from Megatron's" in message
+@pytest.mark.parametrize("dtype,optimizer,lr", [("float32", "sgd", 0.5), ("bfloat16", "adam", 1e-6)])
+def test_a_sync_that_changes_nothing_is_detected(tiny_hf, dtype, optimizer, lr):
+    """Also in bf16 at lr 1e-6, where the log-probs barely move: the read-back compares bits."""
+    args = {"hf_dir": tiny_hf("qwen3_moe"), "dtype": dtype, "optimizer": optimizer, "lr": lr}
+    missed = launch("tests.rollout.workers:sync_that_misses_tensors", 1, args)[0]
+    assert missed["error"] and "is not what Megatron sent" in missed["error"], missed
+    taken = launch("tests.rollout.workers:sync_that_misses_tensors", 1, {**args, "forgetful": False})[0]
+    assert taken["error"] is None and taken["readback"] == 2, taken
 
 
 def test_memory_release_is_skipped_on_cpu(tiny_hf, caplog):

@@ -89,22 +89,28 @@ def distributed_update(hf_dir: str) -> dict:
         server.stop()
 
 
-def sync_that_misses_tensors(hf_dir: str) -> str:
-    """A sync whose names the engine does not apply must be caught by the probe."""
+def sync_that_misses_tensors(hf_dir: str, dtype: str = "float32", optimizer: str = "sgd", lr: float = 0.5,
+                             forgetful: bool = True) -> dict:
+    """Train one step, then sync into an engine that ignores every tensor (like SGLang with
+    unknown names) or a correct one; report what sync_and_verify says."""
     from megatron_marsrl.rollout.weight_sync import WeightSyncError
 
-    arch, parallel, model = build_from_hf(hf_dir, {})
+    torch_dtype = getattr(torch, dtype)
+    arch, parallel, model = build_from_hf(hf_dir, {}, dtype=torch_dtype)
 
     class Forgetful(TransformersEngine):
-        def update_weights(self, buckets, *, version):  # like SGLang with unknown names
+        def update_weights(self, buckets, *, version):
             self.weight_version = version
             return sum(len(b) for b in buckets)
 
-    engine = Forgetful(hf_dir)
-    ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0))
-    train_step(ddp, optimizer, [{"tokens": torch.randint(0, arch.vocab_size, (1, 12))}], lambda lp, b: (-lp.mean(), {}))
+    engine = (Forgetful if forgetful else TransformersEngine)(hf_dir, dtype=torch_dtype)
+    ddp, opt = wrap_ddp_and_optimizer(model, OptimConfig(optimizer=optimizer, lr=lr, clip_grad=0.0))
+    train_step(ddp, opt, [{"tokens": torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))}],
+               lambda lp, b: (-lp.mean(), {}))
+    tolerance = 1e-3 if dtype == "float32" else 0.1
     try:
-        sync_and_verify(model, arch, engine, version=1, probe=[[1, 2, 3, 4, 5, 6]])
+        report = sync_and_verify(model, arch, engine, version=1, probe=[[1, 2, 3, 4, 5, 6]], tolerance=tolerance)
     except WeightSyncError as exc:
-        return str(exc)
-    return "not detected"
+        return {"error": str(exc)}
+    return {"error": None, "readback": report["readback"], "mismatch": report["mismatch"]}
+
