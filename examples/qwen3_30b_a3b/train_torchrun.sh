@@ -29,6 +29,12 @@ overrides=(model.path="$MODEL" task.train="$TRAIN" task.eval="$EVAL" run.output_
 # Host Adam (optim.cpu_offload_fraction > 0 on 8 and 16 GPUs) runs on these threads: 8 ranks
 # x 8 threads suits a 64+ core host.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# Growable allocator segments: micro-batches change shape every round (rows x longest), which
+# fragments fixed-size blocks (the dry run keeps a 6 GiB reserve for what is left). The SGLang
+# servers rank 0 starts inherit it. Not yet run on GPU: the weight sync hands CUDA IPC handles of
+# the trainer's buckets to the servers, which takes another IPC path for these segments; if the
+# first sync fails, export PYTORCH_CUDA_ALLOC_CONF= (empty) before launching.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}
 # torchrun SIGKILLs its ranks 30 s after forwarding SIGTERM by default; the checkpoint written on
 # SIGTERM (~430 GB with Adam state) needs longer.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}

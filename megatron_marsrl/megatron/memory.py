@@ -2,8 +2,11 @@
 
 Pure arithmetic over ``ModelArch`` and ``ParallelConfig``: no GPU, no Megatron import.
 Two phases share each GPU. In the train phase SGLang has released its weights, KV cache and
-CUDA graphs (``release_memory_occupation``) and keeps only its process context; in the
-rollout phase the trainer keeps whatever it does not offload. The peak is the larger phase.
+CUDA graphs (``release_memory_occupation``, which needs servers started with the memory
+saver) and keeps only its process context; in the rollout phase the trainer keeps whatever it
+does not offload. The peak is the larger phase. This is the model of a trainer that releases
+its engines around training; the RL trainer does not yet, and ``rl/dry_run.py`` adds the
+figure that binds it (training next to resident engines).
 
 Train phase, per GPU, on the worst pipeline stage (the first holds ``pp`` micro-batches in
 flight under 1F1B, the last holds the logits):
@@ -46,7 +49,9 @@ context, plus the trainer's state unless offloaded. With ``mem_fraction_static``
 pool is f x GPU minus all memory in use when it starts (its weights included): this assumes
 the trainer already holds its rollout-phase residency then.
 Not modelled: interleaved pipeline schedules, FP8 training, a reference model, activation
-offload; fewer micro-batches than PP stages (the estimate assumes at least PP).
+offload; fewer micro-batches than PP stages (the estimate assumes at least PP). What the model
+misses in the allocator, NCCL and the engine processes is covered by a reserve instead:
+``check_fits`` requires ``reserve_fraction`` of the GPU (6 GiB of 80) to stay free.
 """
 from __future__ import annotations
 
@@ -102,8 +107,10 @@ class MemoryConfig:
     world_size: int
     """Number of GPUs training the policy (and hosting its engines when colocated)."""
     micro_batch_tokens: int
-    """Tokens in one micro-batch of one model replica (packed sequences); each CP rank holds
-    micro_batch_tokens / cp of them. ParallelConfig.micro_batch_size is not used."""
+    """Tokens of the largest micro-batch one model replica runs, padding included: the trainer
+    pads every row to the longest, so b sequences take b x longest (the budget the RL
+    scheduler packs to). Each CP rank holds micro_batch_tokens / cp of them.
+    ParallelConfig.micro_batch_size is not used."""
     cp: int = 1
     """Context-parallel size: every sequence is split over cp ranks (ring attention)."""
     gpu_memory_gib: float = 80.0
@@ -121,6 +128,11 @@ class MemoryConfig:
     framework_gib: float = 2.5
     """Trainer process overhead: CUDA context, NCCL communicators, cuBLAS workspaces and
     allocator fragmentation (typically 2-4 GiB)."""
+    reserve_fraction: float = 0.075
+    """Share of GPU memory a plan must leave free (6 GiB of 80): what the estimate cannot see
+    (fragmentation of the caching allocator under varying micro-batch shapes, NCCL buffers of
+    the MoE all-to-all and the weight-sync broadcast, the CUDA/IPC contexts of the engine
+    processes) grows with what is allocated, so it scales with the GPU."""
     rollout: ColocatedRollout | None = None
     """Colocated SGLang engines; None for training alone."""
 
@@ -130,6 +142,8 @@ class MemoryConfig:
                 raise LayoutError(f"{name}={getattr(self, name)}: must be >= 1")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise LayoutError(f"optimizer_offload_fraction={self.optimizer_offload_fraction}: must be in [0, 1]")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise LayoutError(f"reserve_fraction={self.reserve_fraction}: must be in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,6 +206,8 @@ class MemoryEstimate:
     """Rollout-phase total."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU."""
+    reserve_gib: float = 0.0
+    """Memory a plan must leave free (MemoryConfig.reserve_fraction of the GPU)."""
 
     @property
     def peak_gib(self) -> float:
@@ -200,6 +216,16 @@ class MemoryEstimate:
     @property
     def headroom_gib(self) -> float:
         return self.gpu_memory_gib - self.peak_gib
+
+    @property
+    def usable_gib(self) -> float:
+        """What a plan may use: the GPU less the reserve."""
+        return self.gpu_memory_gib - self.reserve_gib
+
+    @property
+    def usable_text(self) -> str:
+        """'74.0 GiB usable (80.0 less a 6.0 GiB reserve)', for messages about the limit."""
+        return f"{self.usable_gib:.1f} GiB usable ({self.gpu_memory_gib:.1f} less a {self.reserve_gib:.1f} GiB reserve)"
 
 
 def _layer_params(arch: ModelArch, moe: bool) -> tuple[int, int, int]:
@@ -398,6 +424,7 @@ def estimate_memory(arch: ModelArch, parallel: ParallelConfig, config: MemoryCon
     model = f"{arch.model_type} {counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active)"
     return MemoryEstimate(model=model, layout=_layout_line(arch, parallel, config), stage=stage,
                           colocated=config.rollout is not None, gpu_memory_gib=config.gpu_memory_gib,
+                          reserve_gib=config.reserve_fraction * config.gpu_memory_gib,
                           **phases[stage][0], **phases[stage][1])
 
 
@@ -406,9 +433,11 @@ _TRAIN_HINT = ("try more GPUs for EP/TP/PP, the distributed optimizer, optimizer
 
 
 def check_fits(estimate: MemoryEstimate) -> None:
-    """Raise MemoryBudgetError naming the phase, the overrun and the largest parts."""
+    """Raise MemoryBudgetError naming the phase, the overrun and the largest parts. A plan fits
+    when its peak leaves the reserve free (``usable_gib``), not merely when it is below the GPU's
+    memory: the reserve is what the estimate does not model (``MemoryConfig.reserve_fraction``)."""
     problems = []
-    if estimate.headroom_gib < 0:
+    if estimate.peak_gib > estimate.usable_gib:
         phase = "train" if estimate.train_gib >= estimate.rollout_gib else "rollout"
         parts = {"parameters": estimate.params_gib, "gradients": estimate.grads_gib,
                  "optimizer": estimate.optimizer_gib, "activations": estimate.activations_gib,
@@ -417,8 +446,8 @@ def check_fits(estimate: MemoryEstimate) -> None:
         top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])[:3])
         hint = (_TRAIN_HINT if phase == "train" else "lower mem_fraction_static or kv_cache_tokens, offload "
                 "the trainer during rollout, or use FP8 engine weights")
-        problems.append(f"{phase}-phase peak {estimate.peak_gib:.1f} GiB exceeds {estimate.gpu_memory_gib:.1f} GiB "
-                        f"by {-estimate.headroom_gib:.1f} GiB (largest: {top}); {hint}")
+        problems.append(f"{phase}-phase peak {estimate.peak_gib:.1f} GiB exceeds the {estimate.usable_text} by "
+                        f"{estimate.peak_gib - estimate.usable_gib:.1f} GiB (largest: {top}); {hint}")
     if estimate.colocated and estimate.kv_cache_tokens == 0:
         problems.append("SGLang's static budget does not cover its weights plus what is already resident: "
                         "no room for a KV cache (raise mem_fraction_static or offload the trainer during rollout)")
@@ -444,7 +473,8 @@ def format_report(estimate: MemoryEstimate) -> str:
              f"{e.expert_params / 1e6:.0f}M expert params)",
              f"{'':24}{'train':>9}" + (f"{'rollout':>9}" if e.colocated else "")]
     lines += [f"{name:24}" + "".join(f"{v:9.2f}" for v in values[:cols]) for name, *values in rows]
-    tail = f"peak {e.peak_gib:.2f} of {e.gpu_memory_gib:.2f} GiB, headroom {e.headroom_gib:.2f}"
+    tail = (f"peak {e.peak_gib:.2f} of {e.gpu_memory_gib:.2f} GiB, headroom {e.headroom_gib:.2f} "
+            f"(reserve: at least {e.reserve_gib:.2f} kept free)")
     if e.colocated:
         tail += f"; KV pool {e.kv_cache_tokens} tokens per engine"
     return "\n".join(lines + [tail])

@@ -15,8 +15,14 @@ How this trainer maps onto the estimate, and why the verdict adds a third figure
     during the train phase. The binding figure is "train + generate at once": the rollout
     phase plus the train phase's transient memory (activations, logits, buffers).
     memory.py's two-phase peak (engines released during training) is printed as well.
-  * A micro-batch holds up to scheduler.token_budget tokens; one longer sequence gets a
-    micro-batch of its own, so the estimate uses max(token_budget, max output tokens).
+  * The train phase's activations and logits are those of the largest micro-batch, counted as
+    the scheduler counts it: padded tokens, rows x longest (the trainer pads every row to the
+    longest; rl/scheduler.padded_tokens), at most scheduler.token_budget, or one longer
+    sequence alone (SchedulerConfig.max_micro_batch_tokens). The longest sequence is taken as
+    rollout.sampling.max_tokens: prompts have no configured bound, so a budget with a prompt
+    allowance (as the Qwen3 recipes set) is what covers them.
+  * A plan fits when it leaves memory.py's reserve free (6 GiB of an 80 GiB GPU), the binding
+    "train + generate at once" figure included.
   * SGLang's pool is the smaller of what mem_fraction_static leaves and engine.max_total_tokens.
   * engine.quantization="fp8" halves the engine's weights (FP8 scales ignored).
   * policy.sharing="per_role": each policy has its own trainer state and its own engines on
@@ -44,6 +50,10 @@ class DryRun:
     """format_report of the estimate plus the lines this module adds."""
     peak_gib: float
     """The binding per-GPU peak (train + generate at once when engines share the GPUs)."""
+    headroom_gib: float
+    """GPU memory left free at that peak."""
+    reserve_gib: float
+    """The least headroom a plan must leave (memory.py's reserve)."""
     problems: list[str]
     """Why the plan does not fit; empty when it does."""
 
@@ -51,7 +61,8 @@ class DryRun:
     def verdict(self) -> str:
         if self.problems:
             return f"verdict: does NOT fit ({len(self.problems)} problem(s), see the error below)"
-        return f"verdict: fits, peak {self.peak_gib:.1f} GiB per GPU"
+        return (f"verdict: fits, peak {self.peak_gib:.1f} GiB per GPU, headroom {self.headroom_gib:.1f} "
+                f"(at least {self.reserve_gib:.1f} required)")
 
 
 def model_arch(config: TrainConfig) -> tuple[ModelArch, str]:
@@ -98,9 +109,11 @@ def _check_engine_placement(config: TrainConfig, gpus_per_node: int) -> str:
 
 
 def _micro_batch_tokens(config: TrainConfig, arch: ModelArch) -> int:
-    tokens = max(config.scheduler.token_budget, config.rollout.sampling.max_tokens)
+    """Padded tokens of the largest micro-batch the scheduler can release (module docstring),
+    rounded up to a multiple of TP under sequence parallel, as the trainer pads its rows."""
+    tokens = config.scheduler.max_micro_batch_tokens(config.rollout.sampling.max_tokens)
     multiple = config.parallel.tp if config.parallel.effective_sequence_parallel(arch) else 1
-    return -(-tokens // multiple) * multiple  # the trainer pads to a multiple of TP under SP
+    return -(-tokens // multiple) * multiple
 
 
 def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
@@ -160,13 +173,16 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int) -> DryRun:
     if est.colocated:
         peak = train_and_generate_gib(est, policies)
         per = f" ({policies} policies, each with its own state and engines)" if policies > 1 else ""
-        lines.append(f"train + generate at once (engines stay resident){per}: {peak:.2f} GiB")
-        if peak > est.gpu_memory_gib:
-            problems.append(f"training next to resident SGLang engines needs {peak:.1f} GiB per GPU, more than "
-                            f"{est.gpu_memory_gib:.1f} (the trainer does not release engine memory while it trains): "
+        lines.append(f"train + generate at once (engines stay resident){per}: {peak:.2f} GiB, "
+                     f"headroom {est.gpu_memory_gib - peak:.2f}")
+        if peak > est.usable_gib:
+            problems.append(f"training next to resident SGLang engines needs {peak:.1f} GiB per GPU, more than the "
+                            f"{est.usable_text}; the trainer does not release engine memory while it trains: "
                             "lower engine.mem_fraction_static or engine.max_total_tokens, or the token budget")
         longest = config.rollout.sampling.max_tokens
         if 0 < est.kv_cache_tokens < longest:
             problems.append(f"the SGLang KV pool ({est.kv_cache_tokens} tokens per engine) is smaller than one "
                             f"max-length output (rollout.sampling.max_tokens={longest})")
-    return DryRun(report="\n".join(lines), peak_gib=max(peak, est.peak_gib), problems=problems)
+    peak = max(peak, est.peak_gib)
+    return DryRun(report="\n".join(lines), peak_gib=peak, headroom_gib=est.gpu_memory_gib - peak,
+                  reserve_gib=est.reserve_gib, problems=problems)

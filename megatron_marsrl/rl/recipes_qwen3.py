@@ -10,7 +10,9 @@ paper's set-up, all forced by what this trainer supports today:
     on one model replica, so TP=4 (the most the 4 KV heads allow) is needed to split its
     152k-vocabulary logits, and every layer is recomputed in backward;
   * SGLang engines start on the first node only and stay resident while training runs
-    (no memory release), so mem_fraction_static is bounded by what training needs on top.
+    (no memory release), so each engine's KV pool (engine.max_total_tokens) is what is left
+    after training's peak, SGLang's runtime and the dry run's reserve (6 GiB of 80 kept free
+    for fragmentation, NCCL buffers and IPC contexts: megatron/memory.py reserve_fraction).
 
 model.path and task.train/eval default to placeholders under /data/...; override them. The
 embedded config.json values (model.arch) let `--dry-run` plan without the checkpoint; when
@@ -90,7 +92,7 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             sequence_parallel=True,  # required by Megatron for MoE with TP > 1; splits norms/residuals 4 ways
             distributed_optimizer=True,  # shards Adam state over data-parallel ranks; required for offload
             recompute="full",  # a 68k-token micro-batch saves 115 GiB per GPU with selective recompute, 3 with full
-            micro_batch_size=1,  # packed sequences: the scheduler's token budget sizes a micro-batch
+            micro_batch_size=1,  # unused: the scheduler's token budget (rows x longest) sizes a micro-batch
         ),
         optim=OptimConfig(
             optimizer="adam",  # AdamW (decoupled weight decay), as MarsRL
@@ -111,8 +113,8 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             base_gpu_id=0,
             gpus_per_node=8,  # H100 nodes of 8 GPUs
             host="127.0.0.1",  # only rank 0, on the same node, talks to the engine
-            max_total_tokens=kv_tokens,  # caps the pool: SGLang sizes it at start, before Adam's moments exist
-            mem_fraction_static=0.5,  # static pool ends at 40 GiB; training's transient 34 + engine runtime 4 go on top
+            max_total_tokens=kv_tokens,  # the binding size of the pool (per size below); SGLang sizes it at start
+            mem_fraction_static=0.5,  # only an upper bound (40 GiB of weights + KV + what is resident then)
             startup_timeout=1200.0,  # loading 61 GB and capturing CUDA graphs takes minutes
             seed=0,
         ),
@@ -133,9 +135,11 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             segment_tokens=16384,
         ),
         scheduler=SchedulerConfig(
-            token_budget=MAX_OUTPUT_TOKENS + PROMPT_ALLOWANCE,  # one 64k output plus a 4k prompt per micro-batch
+            # padded tokens (rows x longest, as the trainer pads): one 64k output plus a 4k prompt, or 17 rows of 4k
+            token_budget=MAX_OUTPUT_TOKENS + PROMPT_ALLOWANCE,
             max_sequences=None,  # only the token budget limits packing
             overlap=True,  # train finished groups while the rest is generated (the point of the scheduler)
+            round_balance=0.9,  # early rounds: lockstep ranks wait for the largest micro-batch, keep it within 10%
         ),
         policy=PolicyConfig(
             sharing="shared",  # MarsRL: one model plays all three roles
@@ -149,22 +153,24 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
 
 def qwen3_30b_a3b_h100x8() -> TrainConfig:
     """1 node: 16 experts per GPU and no second expert-data-parallel rank to shard Adam over,
-    so the whole optimizer state lives in host memory."""
+    so the whole optimizer state lives in host memory. The tightest size: trainer state,
+    training's transient peak, the engine and the reserve leave 3 GiB per GPU for KV."""
     return _marsrl(
         8,
         ep=8,  # all experts split over the node's 8 GPUs (NVLink all-to-all)
         offload=1.0,  # Adam for 3.6B local expert params is 43 GiB per GPU: keep it all on the host
-        kv_tokens=294912,  # 4.5 x 64k: what mem_fraction_static 0.5 leaves (~300k tokens, dry run)
+        kv_tokens=131072,  # 2 x 64k (3 GiB/GPU): the most that keeps the 6 GiB reserve free (~135k, dry run)
     )
 
 
 def qwen3_30b_a3b_h100x16() -> TrainConfig:
-    """2 nodes: experts split 16 ways across both nodes; half the Adam state still on the host."""
+    """2 nodes: experts split 16 ways across both nodes; three quarters of the Adam state still
+    on the host."""
     return _marsrl(
         16,
         ep=16,  # 8 experts per GPU: halves the bf16 params and fp32 grads that EP8 would keep
-        offload=0.5,  # without it Adam (22 GiB) leaves SGLang no KV room under mem_fraction_static 0.5
-        kv_tokens=262144,  # 4 x 64k: what the dry run leaves (~277k tokens)
+        offload=0.75,  # Adam is 21 GiB per GPU; with half of it here the reserve leaves < 2 x 64k of KV
+        kv_tokens=327680,  # 5 x 64k: what the dry run leaves with the 6 GiB reserve (~344k tokens)
     )
 
 
@@ -174,7 +180,7 @@ def qwen3_30b_a3b_h100x32() -> TrainConfig:
         32,
         ep=32,  # 4 experts per GPU: trainer state 18 GiB per GPU
         offload=0.0,  # Adam for 0.9B local expert params is 10 GiB: no host round trips needed
-        kv_tokens=491520,  # 7.5 x 64k: what the dry run leaves (~498k tokens)
+        kv_tokens=327680,  # 5 x 64k: what the dry run leaves with the 6 GiB reserve (~332k tokens)
     )
 
 
@@ -184,7 +190,7 @@ def qwen3_30b_a3b_h100x64() -> TrainConfig:
         64,
         ep=64,  # 2 experts per GPU: trainer state 10 GiB per GPU
         offload=0.0,  # everything fits on the GPUs
-        kv_tokens=819200,  # 12.5 x 64k: what the dry run leaves (~842k tokens)
+        kv_tokens=655360,  # 10 x 64k: what the dry run leaves with the 6 GiB reserve (~676k tokens)
     )
 
 

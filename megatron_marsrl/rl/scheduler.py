@@ -10,32 +10,39 @@ Contract, per RL step:
 * A group (G samples of one role answering the same input) is handed over whole, once, when
   its last sample is done. Every item must carry the step's weight version: the update stays
   on-policy (no sample from another policy version is ever mixed in).
-* Items are packed into micro-batches of at most `token_budget` tokens (and at most
-  `max_sequences` sequences); a sequence longer than the budget gets a micro-batch of its own.
+* Items are packed into micro-batches that cost at most `token_budget` padded tokens (and hold
+  at most `max_sequences` sequences); a sequence longer than the budget gets a micro-batch of
+  its own. A micro-batch costs what the trainer allocates for it: `megatron/actor.py`
+  `pack_sequences` pads every row to the longest, so b sequences cost b x longest tokens
+  (`padded_tokens`), not the sum of their lengths. Packing several sequences into one row
+  (THD, no padding) is not done yet; when it is, the cost becomes the sum.
 * A `Round` is what the data-parallel ranks run together: exactly `dp_size` micro-batches, one
   per rank, all of ONE policy (the ranks of a model run it in lockstep because of the
   expert/tensor-parallel collectives). Only rounds released by `finish_step` may hold empty
   micro-batches (a rank with nothing to do still joins the collectives).
 * With `overlap`, a policy's round is formed as soon as its buffer holds `dp_size` micro-batches
-  that are ready: a micro-batch is ready when it is full (budget or sequence cap reached) or
-  when no buffered item fits into it any more. Rounds wait in the order they became ready and
-  `pop_ready` hands them out in that order (FIFO). Without overlap (the synchronous baseline)
-  nothing is released before `finish_step`.
+  that are ready and of similar cost: a micro-batch is ready when it is full, i.e. no further
+  sequence could join it (one more row of its longest length would break the budget, or the
+  sequence cap is reached); the round's smallest must cost at least `round_balance` of its
+  largest (a round lasts as long as its largest micro-batch). Rounds wait in the order they
+  became ready and `pop_ready` hands them out in that order (FIFO). Without overlap (the
+  synchronous baseline) nothing is released before `finish_step`.
 * `finish_step` releases the waiting rounds, then packs everything left, policy by policy in
   the order given to the constructor, and checks that every item added in the step was
   released exactly once. The trainer accumulates gradients over the rounds and runs one
   optimizer step per policy after it.
 
 Packing: bin-at-a-time best-fit decreasing (open a micro-batch with the longest item left, add
-the longest item that still fits, repeat until none fits). Micro-batches are sorted by tokens
-and cut into rounds of `dp_size`, so a round's micro-batches are of similar size (little lockstep
-waiting); the last, partial round of a policy spreads its items over all ranks.
+the longest item that still fits, repeat until none fits). Under the padded cost an item fits
+when (n + 1) x longest stays within the budget, so a micro-batch takes the next longest items
+left: sequences of similar length share a row width. Micro-batches are sorted by padded tokens
+and cut into rounds of `dp_size`, so a round's micro-batches are of similar size (little
+lockstep waiting); the last, partial round of a policy spreads its items over all ranks.
 
 Pure Python: no torch, Megatron or agents.
 """
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +61,7 @@ class SeqItem:
     policy: str
     """The policy (model) that trains on it; one of the scheduler's policies."""
     num_tokens: int
-    """Prompt + response tokens: the sequence's share of a micro-batch's token budget."""
+    """Prompt + response tokens; the longest sequence of a micro-batch sets its row width."""
     version: int
     """Weight version that generated it; must equal the step's version."""
     group_id: str
@@ -76,7 +83,13 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Real (unpadded) tokens of its sequences."""
         return sum(item.num_tokens for item in self.items)
+
+    @property
+    def padded_tokens(self) -> int:
+        """What it costs against the token budget: rows x longest (see `padded_tokens`)."""
+        return _padded(self.items)
 
 
 @dataclass(kw_only=True)
@@ -94,12 +107,13 @@ class Round:
 
     @property
     def num_tokens(self) -> int:
+        """Real (unpadded) tokens of all its micro-batches."""
         return sum(mb.num_tokens for mb in self.micro_batches)
 
     @property
-    def max_tokens(self) -> int:
-        """Tokens of the largest micro-batch: what the lockstep round waits for."""
-        return max(mb.num_tokens for mb in self.micro_batches)
+    def max_padded_tokens(self) -> int:
+        """Padded tokens of the largest micro-batch: what the lockstep round waits for."""
+        return max(mb.padded_tokens for mb in self.micro_batches)
 
     @property
     def items(self) -> list[SeqItem]:
@@ -111,19 +125,34 @@ class SchedulerConfig:
     """How completed groups are packed into micro-batches and when they are released."""
 
     token_budget: int = 65536
-    """Most tokens per micro-batch (one MarsRL max-length output); a single longer sequence
-    gets a micro-batch of its own."""
+    """Most padded tokens per micro-batch, sequences x longest sequence (one MarsRL max-length
+    output): the trainer pads every row to the longest (megatron/actor.py pack_sequences), so
+    that is what a micro-batch allocates; packing sequences into one row (THD) is not done yet.
+    A single longer sequence gets a micro-batch of its own."""
     max_sequences: int | None = None
     """Most sequences per micro-batch; None: only the token budget limits."""
     overlap: bool = True
     """Release rounds while the rollout runs; False releases nothing until finish_step (the
     synchronous baseline)."""
+    round_balance: float = 0.9
+    """With overlap: a round is released early only when its smallest micro-batch costs at least
+    this fraction of its largest (padded tokens). The ranks run a round in lockstep, so the
+    others wait for the largest, and a full micro-batch may cost anywhere from just over half
+    the budget (one sequence of 0.6x the budget is full alone) to all of it. Unmatched
+    micro-batches wait for later groups or finish_step; 0 releases every ready one at once."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_budget, int) or self.token_budget < 1:
             raise ValueError(f"scheduler.token_budget={self.token_budget!r}: must be a positive integer")
         if self.max_sequences is not None and (not isinstance(self.max_sequences, int) or self.max_sequences < 1):
             raise ValueError(f"scheduler.max_sequences={self.max_sequences!r}: must be a positive integer or None")
+        if not 0.0 <= self.round_balance <= 1.0:
+            raise ValueError(f"scheduler.round_balance={self.round_balance!r}: must be within [0, 1]")
+
+    def max_micro_batch_tokens(self, longest_sequence: int) -> int:
+        """The most padded tokens one micro-batch can cost when no sequence is longer than
+        `longest_sequence`: the budget, or one such sequence alone when it exceeds the budget."""
+        return max(self.token_budget, padded_tokens(1, longest_sequence))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +166,9 @@ class StepReport:
     items: int
     """Sequences released."""
     tokens: int
-    """Tokens released."""
+    """Real (unpadded) tokens released."""
+    padded_tokens: int
+    """Padded tokens of the released micro-batches (what the trainer allocates and computes)."""
     rounds: int
     """Rounds released (by pop_ready and finish_step)."""
     rounds_overlapped: int
@@ -147,9 +178,10 @@ class StepReport:
     empty_micro_batches: int
     """Slots without items (ranks that only join the collectives)."""
     fill_fraction: float
-    """tokens / token capacity of all slots (an oversized micro-batch counts as full)."""
+    """padded_tokens / token capacity of all slots (an oversized micro-batch counts as full)."""
     padding_fraction: float
-    """Share of the lockstep rank-time spent waiting for a round's largest micro-batch."""
+    """Share of the lockstep rank-time not spent on real tokens: rows padded to their
+    micro-batch's longest sequence, and ranks waiting for their round's largest micro-batch."""
 
 
 class MicroBatchScheduler:
@@ -230,13 +262,14 @@ class MicroBatchScheduler:
             raise SchedulerError("report() before the first begin_step")
         slots = [mb for r in self._released for mb in r.micro_batches]
         tokens = sum(mb.num_tokens for mb in slots)
-        capacity = sum(max(self.config.token_budget, mb.num_tokens) for mb in slots)
-        lockstep = sum(self.dp_size * r.max_tokens for r in self._released)
+        padded = sum(mb.padded_tokens for mb in slots)
+        capacity = sum(max(self.config.token_budget, mb.padded_tokens) for mb in slots)
+        lockstep = sum(self.dp_size * r.max_padded_tokens for r in self._released)
         return StepReport(step=self._step, version=self._version,
-                          items=sum(len(mb.items) for mb in slots), tokens=tokens,
+                          items=sum(len(mb.items) for mb in slots), tokens=tokens, padded_tokens=padded,
                           rounds=len(self._released), rounds_overlapped=self._overlapped,
                           micro_batches=len(slots), empty_micro_batches=sum(not mb.items for mb in slots),
-                          fill_fraction=tokens / capacity if capacity else 0.0,
+                          fill_fraction=padded / capacity if capacity else 0.0,
                           padding_fraction=1.0 - tokens / lockstep if lockstep else 0.0)
 
     # ---- internals ---------------------------------------------------------------------
@@ -268,20 +301,32 @@ class MicroBatchScheduler:
     def _form_ready_rounds(self, policy: str) -> None:
         budget, cap = self.config.token_budget, self.config.max_sequences
         bins = pack(self._buffers[policy], token_budget=budget, max_sequences=cap)
-        # Every micro-batch but the last closed because nothing left fitted; the last one
-        # only ran out of items, so it counts only when full.
+        # Every micro-batch but the last closed because it was full; the last one may only
+        # have run out of items, so it counts only when full.
         if bins and not _is_full(bins[-1], budget, cap):
             bins = bins[:-1]
-        n = len(bins) // self.dp_size * self.dp_size
-        if n == 0:
+        chosen = self._balanced_runs(sorted(bins, key=_padded, reverse=True))
+        if not chosen:
             return
-        chosen = sorted(bins, key=_tokens, reverse=True)[:n]
         taken = {item.key for mb in chosen for item in mb}
         self._buffers[policy] = [item for item in self._buffers[policy] if item.key not in taken]
         self._ready.extend(self._make_rounds(policy, chosen, final=False))
 
+    def _balanced_runs(self, bins: list[list[SeqItem]]) -> list[list[SeqItem]]:
+        """Runs of `dp_size` consecutive micro-batches of `bins` (largest padded cost first) whose
+        smallest costs at least round_balance x their largest, largest runs first."""
+        chosen, start = [], 0
+        while start + self.dp_size <= len(bins):
+            run = bins[start: start + self.dp_size]
+            if _padded(run[-1]) >= self.config.round_balance * _padded(run[0]):
+                chosen += run
+                start += self.dp_size
+            else:
+                start += 1
+        return chosen
+
     def _make_rounds(self, policy: str, bins: list[list[SeqItem]], *, final: bool) -> list[Round]:
-        bins = sorted(bins, key=_tokens, reverse=True)
+        bins = sorted(bins, key=_padded, reverse=True)
         rounds = []
         for start in range(0, len(bins), self.dp_size):
             chunk = bins[start: start + self.dp_size]
@@ -299,8 +344,9 @@ class MicroBatchScheduler:
         budget, cap = self.config.token_budget, self.config.max_sequences
         spread: list[list[SeqItem]] = [[] for _ in range(self.dp_size)]
         for item in sorted((i for b in chunk for i in b), key=lambda i: i.num_tokens, reverse=True):
-            target = min(spread, key=lambda b: (_tokens(b), len(b)))
-            if target and (_tokens(target) + item.num_tokens > budget or (cap is not None and len(target) >= cap)):
+            target = min(spread, key=lambda b: (_padded(b), len(b)))
+            # items arrive longest first, so a rank's first item is its longest
+            if target and not _fits(len(target) + 1, target[0].num_tokens, budget, cap):
                 return chunk + [[] for _ in range(self.dp_size - len(chunk))]
             target.append(item)
         return spread
@@ -320,32 +366,39 @@ class MicroBatchScheduler:
                 raise RuntimeError(f"step {self._step}: round {r.index} is malformed (scheduler bug)")
 
 
+def padded_tokens(num_sequences: int, longest: int) -> int:
+    """What a micro-batch of `num_sequences` sequences, the longest of `longest` tokens, costs
+    against the token budget: the trainer pads every row to the longest (megatron/actor.py
+    pack_sequences), so it allocates and computes a [num_sequences, longest] batch. The one
+    definition of the cost; packing into one row (THD) would make it the sum of the lengths."""
+    return num_sequences * longest
+
+
 def pack(items: Sequence[SeqItem], *, token_budget: int, max_sequences: int | None = None) -> list[list[SeqItem]]:
-    """Bin-at-a-time best-fit decreasing: each micro-batch opens with the longest item left and
-    takes the longest item that still fits until none does (or it holds `max_sequences`).
-    Ties go to the earlier item. Returns the micro-batches in the order they were opened."""
-    order = sorted(range(len(items)), key=lambda i: (items[i].num_tokens, -i))
-    left = [items[i] for i in order]          # ascending by size
-    sizes = [item.num_tokens for item in left]
-    cap = max_sequences or len(left) or 1
+    """Bin-at-a-time best-fit decreasing under the padded cost: each micro-batch opens with the
+    longest item left and takes the longest item that still fits until none does (or it holds
+    `max_sequences`). Every item left is no longer than the opening one, so whether one fits
+    depends only on the count: (n + 1) x opening length <= `token_budget`. Ties go to the earlier
+    item. Returns the micro-batches in the order they were opened, each longest first."""
+    left = deque(sorted(items, key=lambda item: -item.num_tokens))  # stable: earlier items first on ties
     bins = []
     while left:
-        sizes.pop()
-        mb = [left.pop()]
-        room = token_budget - mb[0].num_tokens
-        while room > 0 and len(mb) < cap:
-            i = bisect.bisect_right(sizes, room) - 1
-            if i < 0:
-                break
-            room -= sizes.pop(i)
-            mb.append(left.pop(i))
+        mb = [left.popleft()]
+        while left and _fits(len(mb) + 1, mb[0].num_tokens, token_budget, max_sequences):
+            mb.append(left.popleft())
         bins.append(mb)
     return bins
 
 
-def _tokens(items: Sequence[SeqItem]) -> int:
-    return sum(item.num_tokens for item in items)
+def _fits(count: int, longest: int, budget: int, cap: int | None) -> bool:
+    """Whether a micro-batch may hold `count` sequences whose longest has `longest` tokens."""
+    return padded_tokens(count, longest) <= budget and (cap is None or count <= cap)
+
+
+def _padded(items: Sequence[SeqItem]) -> int:
+    return padded_tokens(len(items), max((item.num_tokens for item in items), default=0))
 
 
 def _is_full(items: Sequence[SeqItem], budget: int, cap: int | None) -> bool:
-    return _tokens(items) >= budget or (cap is not None and len(items) >= cap)
+    """No sequence can join: even a one-token one would break the budget or the sequence cap."""
+    return not _fits(len(items) + 1, max(item.num_tokens for item in items), budget, cap)

@@ -132,7 +132,7 @@ def test_30b_a3b_on_one_gpu_does_not_fit_but_still_prints():
     assert est.params_gib > 50
     report = format_report(est)
     assert "total" in report and "TP1 PP1 EP1" in report
-    with pytest.raises(MemoryBudgetError, match="train-phase peak .* exceeds 80.0 GiB"):
+    with pytest.raises(MemoryBudgetError, match=r"train-phase peak .* exceeds the 74.0 GiB usable \(80.0 less a 6.0"):
         check_fits(est)
 
 
@@ -163,8 +163,33 @@ def test_mem_fraction_too_small_for_the_engine_is_reported():
 def test_proposed_h100_layouts_fit(world):
     est = _h100(world)
     check_fits(est)
-    assert est.kv_cache_tokens > 500_000 and est.headroom_gib > 5
+    assert est.kv_cache_tokens > 500_000 and est.headroom_gib >= est.reserve_gib == 6.0
     assert f"{world} GPUs" in format_report(est)
+
+
+def _colocated_peak(kv_tokens, **knobs):
+    rollout = ColocatedRollout(engine_tp=4, kv_cache_tokens=kv_tokens)
+    return _estimate(tp=4, ep=8, distributed_optimizer=True, recompute="full", optimizer_offload_fraction=1.0,
+                     rollout=rollout, **knobs)
+
+
+def test_a_plan_must_leave_the_reserve_free():
+    # a rollout phase of ~77 GiB is below the GPU's 80 but inside the 6 GiB reserve
+    est = _colocated_peak(1_430_000)
+    assert est.reserve_gib == 6.0 and est.usable_gib == 74.0
+    assert est.usable_gib < est.peak_gib < est.gpu_memory_gib
+    with pytest.raises(MemoryBudgetError, match=r"rollout-phase peak .* exceeds the 74.0 GiB usable \(80.0 less a "
+                                                r"6.0 GiB reserve\) by"):
+        check_fits(est)
+    assert "(reserve: at least 6.00 kept free)" in format_report(est)
+    check_fits(_colocated_peak(1_430_000, reserve_fraction=0.0))  # the same plan without a reserve
+    check_fits(_colocated_peak(1_250_000))                          # or with less KV cache
+
+
+def test_the_reserve_scales_with_the_gpu():
+    assert _estimate(gpu_memory_gib=141.0).reserve_gib == pytest.approx(141 * 6 / 80)
+    with pytest.raises(LayoutError, match=r"reserve_fraction=1.0: must be in \[0, 1\)"):
+        _estimate(reserve_fraction=1.0)
 
 
 def test_model_flops_count_only_routed_experts():

@@ -46,7 +46,9 @@ def test_every_recipe_dry_run_fits_under_80_gib(name):
         assert "model: model.arch" in out  # no checkpoint here: the embedded config.json values
         assert f"= {_nodes(name) * 8}" in out
         at_once = float(re.search(r"train \+ generate at once.*: ([\d.]+) GiB", out).group(1))
-        assert max(totals) <= at_once < 80.0
+        assert max(totals) <= at_once <= 80.0 - 6.0  # the reserve: 6 GiB of an 80 GiB GPU stays free
+        headroom, reserve = map(float, re.search(r"verdict: fits.*headroom ([\d.]+) \(at least ([\d.]+)", out).groups())
+        assert headroom >= reserve == 6.0
 
 
 def test_tp_not_dividing_the_kv_heads_exits_2():
@@ -59,7 +61,8 @@ def test_eight_gpus_without_offload_exits_2_naming_the_overrun():
     proc = _dry_run("--recipe", "qwen3_30b_a3b_h100x8", "optim.cpu_offload_fraction=0")
     assert proc.returncode == 2
     assert "verdict: does NOT fit" in proc.stdout
-    assert "train-phase peak" in proc.stderr and "exceeds 80.0 GiB" in proc.stderr
+    assert "train-phase peak" in proc.stderr
+    assert "exceeds the 74.0 GiB usable (80.0 less a 6.0 GiB reserve)" in proc.stderr
     assert "optimizer" in proc.stderr and "optimizer offload" in proc.stderr
 
 
@@ -87,6 +90,20 @@ def test_engines_resident_during_training_bound_the_plan():
                           "engine.mem_fraction_static=0.6"), nodes=8, gpus_per_node=8)
     assert result.problems and "does not release engine memory" in result.problems[0]
     assert "does NOT fit" in result.verdict
+
+
+def test_train_and_generate_must_leave_the_reserve_free():
+    # the 8-GPU plan before the reserve (a 4 x 64k pool, ~77.7 GiB at once) fits 80 GiB but not 74
+    result = plan(_config("qwen3_30b_a3b_h100x8", "engine.max_total_tokens=262144"), nodes=1, gpus_per_node=8)
+    assert 74.0 < result.peak_gib < 80.0 and "does NOT fit" in result.verdict
+    assert "more than the 74.0 GiB usable (80.0 less a 6.0 GiB reserve)" in result.problems[0]
+
+
+@pytest.mark.parametrize("budget, tokens", [(32768, 65536), (69632, 69632), (100000, 100000)])
+def test_micro_batch_tokens_follow_the_scheduler_bound(budget, tokens):
+    # padded tokens of the largest micro-batch: the budget, or one max-length output alone
+    result = plan(_config("qwen3_30b_a3b_h100x64", f"scheduler.token_budget={budget}"), nodes=8, gpus_per_node=8)
+    assert f" {tokens} tokens/micro-batch" in result.report
 
 
 def test_config_json_of_model_path_wins_over_the_embedded_arch(tmp_path):

@@ -1,5 +1,6 @@
-"""The agentic micro-batch scheduler: packing invariants, the step contract, and overlap with a
-simulated rollout (groups finishing at simulated times, training time proportional to tokens)."""
+"""The agentic micro-batch scheduler: packing invariants under the padded cost (rows x longest),
+the step contract, and overlap with a simulated rollout (groups finishing at simulated times,
+training time proportional to padded tokens)."""
 import heapq
 import random
 
@@ -7,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_marsrl.rl.scheduler import (MicroBatchScheduler, SchedulerConfig, SchedulerError, SeqItem,
-                                          pack)
+from megatron_marsrl.rl.scheduler import (MicroBatch, MicroBatchScheduler, SchedulerConfig, SchedulerError,
+                                          SeqItem, pack)
 
 
 def group(gid, sizes, *, policy="shared", version=0):
@@ -16,9 +17,15 @@ def group(gid, sizes, *, policy="shared", version=0):
             for i, n in enumerate(sizes)]
 
 
-def scheduler(budget=100, *, dp=2, policies=("shared",), overlap=True, max_sequences=None):
-    config = SchedulerConfig(token_budget=budget, overlap=overlap, max_sequences=max_sequences)
+def scheduler(budget=100, *, dp=2, policies=("shared",), overlap=True, max_sequences=None, round_balance=0.9):
+    config = SchedulerConfig(token_budget=budget, overlap=overlap, max_sequences=max_sequences,
+                             round_balance=round_balance)
     return MicroBatchScheduler(config, dp_size=dp, policies=policies)
+
+
+def padded(items):
+    """What the trainer allocates for a micro-batch: every row padded to the longest."""
+    return len(items) * max((i.num_tokens for i in items), default=0)
 
 
 def check_rounds(rounds, sched, *, finish_from):
@@ -30,19 +37,62 @@ def check_rounds(rounds, sched, *, finish_from):
         assert all(mb.policy == r.policy for mb in r.micro_batches)
         assert all(item.policy == r.policy for item in r.items)
         for mb in r.micro_batches:
-            assert mb.num_tokens <= cfg.token_budget or len(mb.items) == 1
+            assert padded(mb.items) <= cfg.token_budget or len(mb.items) == 1
+            assert mb.padded_tokens == padded(mb.items) and mb.num_tokens == sum(i.num_tokens for i in mb.items)
             assert cfg.max_sequences is None or len(mb.items) <= cfg.max_sequences
             if n < finish_from:
                 assert mb.items, "rounds released during the step never hold empty micro-batches"
+        if n < finish_from:
+            costs = [padded(mb.items) for mb in r.micro_batches]
+            assert min(costs) >= cfg.round_balance * max(costs)
 
 
 # ---- packing ---------------------------------------------------------------------------
 
 def test_pack_fills_to_budget_and_isolates_oversized_items():
+    # rows pad to the longest: 70 and 60 cannot share a micro-batch with anything (2 x 60 > 100),
+    # 40 and 30 cost 2 x 40 = 80, and a third row would cost 120
     bins = pack(group("g", [60, 40, 30, 70, 250, 10]), token_budget=100)
-    assert [[i.num_tokens for i in b] for b in bins] == [[250], [70, 30], [60, 40], [10]]
+    assert [[i.num_tokens for i in b] for b in bins] == [[250], [70], [60], [40, 30], [10]]
     bins = pack(group("g", [10] * 7), token_budget=100, max_sequences=3)
     assert [len(b) for b in bins] == [3, 3, 1]
+    assert [len(b) for b in pack(group("g", [10] * 23), token_budget=100)] == [10, 10, 3]
+
+
+def test_a_long_sequence_does_not_share_a_micro_batch_with_short_ones():
+    # the issue's case at 1/1000 scale: 60 + 4 x 2 tokens sum to 68, but padded to [5, 60] they
+    # would allocate 300, 4.7x a budget of 64 (the summed rule packed 60 + 2 + 2 together)
+    items = group("g", [60, 2, 2, 2, 2])
+    bins = pack(items, token_budget=64)
+    assert [[i.num_tokens for i in b] for b in bins] == [[60], [2, 2, 2, 2]]
+    s = scheduler(64, dp=2)
+    s.begin_step(0, 0)
+    s.add_group(items)
+    rounds = s.pop_ready() + s.finish_step()
+    assert sorted(mb.padded_tokens for r in rounds for mb in r.micro_batches) == [8, 60]
+    assert {len(mb.items) for r in rounds for mb in r.micro_batches} == {1, 4}
+
+
+def test_micro_batch_cost_is_rows_times_the_longest():
+    mb = MicroBatch(policy="p", items=group("g", [60, 2, 2]))
+    assert (mb.num_tokens, mb.padded_tokens) == (64, 180)
+    assert MicroBatch(policy="p").padded_tokens == 0
+    # the dry run's bound: the budget, or one sequence longer than it alone
+    assert SchedulerConfig(token_budget=100).max_micro_batch_tokens(60) == 100
+    assert SchedulerConfig(token_budget=100).max_micro_batch_tokens(250) == 250
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), max_size=40), budget=st.integers(1, 400),
+       max_sequences=st.one_of(st.none(), st.integers(1, 6)))
+def test_pack_respects_the_padded_budget_and_fills_each_micro_batch(sizes, budget, max_sequences):
+    bins = pack(group("g", sizes), token_budget=budget, max_sequences=max_sequences)
+    assert sorted(i.key for b in bins for i in b) == sorted(i.key for i in group("g", sizes))
+    for n, b in enumerate(bins):
+        assert padded(b) <= budget or len(b) == 1
+        assert max_sequences is None or len(b) <= max_sequences
+        if n + 1 < len(bins):  # closed because the next longest item (no longer than b[0]) did not fit
+            assert padded(b) + b[0].num_tokens > budget or len(b) == max_sequences
 
 
 def test_pack_is_deterministic_and_prefers_earlier_items_on_ties():
@@ -88,6 +138,8 @@ def test_call_order_and_config_errors():
         SchedulerConfig(token_budget=0)
     with pytest.raises(ValueError, match="max_sequences=0"):
         SchedulerConfig(max_sequences=0)
+    with pytest.raises(ValueError, match=r"round_balance=1.5: must be within \[0, 1\]"):
+        SchedulerConfig(round_balance=1.5)
     with pytest.raises(SchedulerError, match="num_tokens=0"):
         group("g", [0])
     with pytest.raises(SchedulerError, match="dp_size=0"):
@@ -108,18 +160,39 @@ def test_finish_step_detects_a_lost_item():
 def test_rounds_release_once_the_buffer_fills_dp_micro_batches():
     s = scheduler(100, dp=2)
     s.begin_step(0, 0)
-    s.add_group(group("a", [60, 30]))
-    assert s.pop_ready() == []            # [60, 30] is one open micro-batch
-    s.add_group(group("b", [50]))          # [60, 30] closed (50 does not fit), [50] open
+    s.add_group(group("a", [50, 30]))
+    assert s.pop_ready() == []            # [50, 30] is full (3 x 50 > 100), but only one
+    s.add_group(group("b", [45]))          # [50, 45] full, [30] still open (could take 2 more rows)
     assert s.pop_ready() == []
-    s.add_group(group("c", [50]))          # [60, 30] and [50, 50]: both full or closed
+    s.add_group(group("c", [25, 25]))      # [50, 45] and [30, 25, 25]: both full, padded 100 and 90
     (r,) = s.pop_ready()
-    assert sorted(mb.num_tokens for mb in r.micro_batches) == [90, 100]
+    assert sorted((mb.num_tokens, mb.padded_tokens) for mb in r.micro_batches) == [(80, 90), (95, 100)]
+    assert r.max_padded_tokens == 100 and r.num_tokens == 175
     assert s.buffered_tokens == 0 and s.finish_step() == []
     report = s.report()
-    assert (report.items, report.tokens, report.rounds, report.rounds_overlapped) == (4, 190, 1, 1)
+    assert (report.items, report.tokens, report.padded_tokens, report.rounds, report.rounds_overlapped) == \
+        (5, 175, 190, 1, 1)
     assert report.fill_fraction == pytest.approx(190 / 200)
-    assert report.padding_fraction == pytest.approx(1 - 190 / 200)
+    assert report.padding_fraction == pytest.approx(1 - 175 / 200)  # row padding and lockstep waiting
+
+
+def test_early_rounds_pair_micro_batches_of_similar_cost():
+    s = scheduler(100, dp=2)
+    s.begin_step(0, 0)
+    s.add_group(group("a", [60]))
+    s.add_group(group("b", [40, 40]))     # [60] and [40, 40] are full, but a round of them would
+    assert s.pop_ready() == []             # keep the rank with 60 waiting for the one with 80
+    s.add_group(group("c", [55]))          # [60] and [55] cost within 10% of each other
+    (r,) = s.pop_ready()
+    assert sorted(mb.padded_tokens for mb in r.micro_batches) == [55, 60]
+    (last,) = s.finish_step()              # [40, 40] spread over both ranks at the end
+    assert sorted(mb.num_tokens for mb in last.micro_batches) == [40, 40]
+    eager = scheduler(100, dp=2, round_balance=0.0)
+    eager.begin_step(0, 0)
+    eager.add_group(group("a", [60]))
+    eager.add_group(group("b", [40, 40]))
+    (r,) = eager.pop_ready()
+    assert sorted(mb.padded_tokens for mb in r.micro_batches) == [60, 80]
 
 
 def test_without_overlap_nothing_is_released_before_finish():
@@ -169,9 +242,11 @@ def test_steps_are_independent():
 @given(groups=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(st.integers(1, 300), min_size=1, max_size=6)),
                        max_size=25),
        budget=st.integers(50, 400), dp=st.integers(1, 4), overlap=st.booleans(),
-       max_sequences=st.one_of(st.none(), st.integers(1, 5)), pop_every=st.integers(1, 4))
-def test_every_item_is_released_exactly_once(groups, budget, dp, overlap, max_sequences, pop_every):
-    s = scheduler(budget, dp=dp, policies=("a", "b"), overlap=overlap, max_sequences=max_sequences)
+       max_sequences=st.one_of(st.none(), st.integers(1, 5)), pop_every=st.integers(1, 4),
+       round_balance=st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+def test_every_item_is_released_exactly_once(groups, budget, dp, overlap, max_sequences, pop_every, round_balance):
+    s = scheduler(budget, dp=dp, policies=("a", "b"), overlap=overlap, max_sequences=max_sequences,
+                  round_balance=round_balance)
     s.begin_step(5, version=2)
     added, rounds = set(), []
     for n, (policy, sizes) in enumerate(groups):
@@ -189,6 +264,7 @@ def test_every_item_is_released_exactly_once(groups, budget, dp, overlap, max_se
     assert overlap or during == 0
     report = s.report()
     assert report.items == len(added) and report.rounds == len(rounds) and report.rounds_overlapped == during
+    assert report.tokens <= report.padded_tokens
     assert 0 <= report.padding_fraction < 1 and 0 <= report.fill_fraction <= 1
 
 
@@ -196,7 +272,7 @@ def test_every_item_is_released_exactly_once(groups, budget, dp, overlap, max_se
 
 def simulate_step(*, overlap, seed=0, groups=40, group_size=8, dp=4, tokens_per_s=2000.0):
     """Groups finish at random (long-tailed) times; each round takes its largest micro-batch's
-    tokens / tokens_per_s on the lockstep ranks, which train one round at a time, FIFO."""
+    padded tokens / tokens_per_s on the lockstep ranks, which train one round at a time, FIFO."""
     rng = random.Random(seed)
     arrivals = []
     for g in range(groups):
@@ -211,7 +287,7 @@ def simulate_step(*, overlap, seed=0, groups=40, group_size=8, dp=4, tokens_per_
         for r in rounds:
             start = max(trainer_free, now)
             first_start = start if first_start is None else first_start
-            trainer_free = start + r.max_tokens / tokens_per_s
+            trainer_free = start + r.max_padded_tokens / tokens_per_s
             trained.extend(i.key for i in r.items)
 
     while arrivals:
