@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
-import logging
 import os
 import signal
 import socket
@@ -355,24 +354,6 @@ class SGLangServer:
             "names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": False,
             "weight_version": str(version)}, 600), "update_weights_from_distributed")
-
-    # ---- colocated memory (GPU only) ----------------------------------------------------
-    def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")) -> bool:
-        """Free the engine's GPU memory while the trainer runs. Without a CUDA driver SGLang
-        crashes on this call, so on CPU it is skipped (logged) and returns False."""
-        if not torch.cuda.is_available():
-            logging.getLogger(__name__).info("release_memory(%s) skipped: no GPU (the call needs a CUDA driver)", tags)
-            return False
-        self._ok(self._post("/release_memory_occupation", {"tags": list(tags)}, 600), "release_memory_occupation")
-        return True
-
-    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")) -> bool:
-        """Re-allocate what :meth:`release_memory` freed, before generation (GPU only)."""
-        if not torch.cuda.is_available():
-            logging.getLogger(__name__).info("resume_memory(%s) skipped: no GPU", tags)
-            return False
-        self._ok(self._post("/resume_memory_occupation", {"tags": list(tags)}, 600), "resume_memory_occupation")
-        return True
 
     @staticmethod
     def _ok(result: dict, what: str) -> None:
