@@ -191,3 +191,67 @@ def test_servers_die_with_a_crashed_trainer(tiny_hf, tmp_path):
             break
         time.sleep(1)
     assert not alive, f"server processes outlived the trainer: {alive}"
+
+
+class Scripted:
+    """An engine that waits `queued` s before starting a request and `runs` s before it ends,
+    then answers from a real engine or raises `error`."""
+
+    weight_version = 0
+
+    def __init__(self, engine, *, queued=0.0, runs=0.0, error=None):
+        self.engine, self.queued, self.runs, self.error, self.calls = engine, queued, runs, error, 0
+
+    def submit(self, requests, *, on_start=None):
+        import concurrent.futures
+
+        self.calls += 1
+        future = concurrent.futures.Future()
+
+        def work():
+            time.sleep(self.queued)
+            if not future.set_running_or_notify_cancel():
+                return
+            on_start()
+            time.sleep(self.runs)
+            if self.error is not None:
+                future.set_exception(self.error)
+            else:
+                future.set_result(self.engine.generate(requests))
+
+        threading.Thread(target=work, daemon=True).start()
+        return future
+
+    def shutdown(self):
+        pass
+
+
+def test_time_queued_does_not_count_against_the_timeout(hf_engines):
+    from megatron_marsrl.rollout.engine import GenerationTimeout
+
+    slow_queue = Scripted(hf_engines[0], queued=1.5, runs=0.0)
+    pool = EnginePool([slow_queue], timeout=GenerationTimeout(base_s=0.5, per_token_s=0.0))
+    assert len(asyncio.run(pool.generate(_reqs(1)[0])).output_ids) == 3 and not pool.failures
+    slow_run = Scripted(hf_engines[0], queued=0.0, runs=1.5)
+    pool = EnginePool([slow_run], timeout=GenerationTimeout(base_s=0.5, per_token_s=0.0), max_attempts=2)
+    with pytest.raises(RequestFailedError, match="TimeoutError"):
+        asyncio.run(pool.generate(_reqs(1)[0]))
+    assert slow_run.calls == 2  # a timeout is retried
+
+
+def test_timeouts_scale_with_max_new_tokens():
+    from megatron_marsrl.rollout.engine import GenerationTimeout
+
+    timeout = GenerationTimeout(base_s=10, per_token_s=0.5)
+    assert timeout.seconds(_reqs(1, max_new=100)) == 60 and timeout.seconds(_reqs(2, max_new=4)) == 12
+    with pytest.raises(ValueError, match="base_s"):
+        GenerationTimeout(base_s=0)
+
+
+def test_engine_side_errors_are_not_retried(hf_engines):
+    broken = Scripted(hf_engines[0], error=RuntimeError("index out of range in the sampler"))
+    spare = Counting(hf_engines[1])
+    pool = EnginePool([broken, spare])
+    with pytest.raises(RuntimeError, match="index out of range"):
+        asyncio.run(pool.generate(_reqs(1)[0]))
+    assert broken.calls == 1 and spare.calls == 0 and pool.failures == []
