@@ -116,7 +116,7 @@ def test_abort_cancels_in_flight_requests(hf_engines):
     pool = EnginePool([Counting(hf_engines[0])], max_concurrency=1)
 
     async def scenario():
-        task = asyncio.create_task(pool.generate_many(_reqs(6, max_new=20)))
+        task = asyncio.create_task(pool.generate_many(_reqs(24, max_new=60)))
         await asyncio.sleep(0.1)
         cancelled = pool.abort()
         with pytest.raises(asyncio.CancelledError):
