@@ -125,10 +125,12 @@ class TransformersEngine:
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
             logits_processor=[_GumbelSampler(rows)], max_new_tokens=max(r.sampling.max_new_tokens for r in requests),
             eos_token_id=sorted(stops) or None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[:, width:].cpu()
-        scale = torch.tensor([r.sampling.temperature or 1.0 for r in requests])[:, None]  # greedy: T = 1
-        logits = torch.stack([step.float().cpu() for step in out.logits], dim=1)
-        token_logp = torch.log_softmax(logits / scale[..., None], dim=-1).gather(-1, new[..., None])[..., 0]
+        new = out.sequences[:, width:]
+        scale = torch.tensor([r.sampling.temperature or 1.0 for r in requests], device=new.device)[:, None]  # greedy: 1
+        # step by step: never a [batch, steps, vocab] tensor
+        token_logp = torch.stack([torch.log_softmax(step.float() / scale, dim=-1).gather(-1, new[:, t, None])[:, 0]
+                                  for t, step in enumerate(out.logits)], dim=1).cpu()
+        new = new.cpu()
         return [self._record(req, new[row], token_logp[row], stops) for row, req in enumerate(requests)]
 
     def _record(self, req: EngineRequest, tokens: torch.Tensor, logp: torch.Tensor, stops: set) -> EngineOutput:
