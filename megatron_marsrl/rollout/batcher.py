@@ -116,3 +116,28 @@ class DynamicBatcher:
             for job in jobs:
                 job.future.set_result(outputs[start: start + len(job.requests)])
                 start += len(job.requests)
+
+
+class BatchedEngine:
+    """Base of the engines that run one batch at a time behind a :class:`DynamicBatcher`.
+    Subclasses create ``self._batcher`` over their ``_run_batch`` and define
+    ``_check_request`` (raises ValueError naming what is wrong with a request)."""
+
+    _batcher: DynamicBatcher
+
+    def _check_request(self, req: EngineRequest) -> None:
+        raise NotImplementedError
+
+    def submit(self, requests: list[EngineRequest], *,
+               on_start: Callable[[], None] | None = None) -> concurrent.futures.Future:
+        for req in requests:
+            self._check_request(req)
+        return self._batcher.submit(requests, on_start=on_start)
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        return self.submit(requests).result()
+
+    @property
+    def batch_sizes(self) -> deque[int]:
+        """Requests per batch of the latest batches."""
+        return self._batcher.batch_sizes

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from megatron_marsrl.rollout.batcher import DynamicBatcher
+from megatron_marsrl.rollout.batcher import BatchedEngine, DynamicBatcher
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineSampling
 from megatron_marsrl.rollout.routed_experts import RoutedExpertsRecorder, left_padded_rows
 
@@ -28,7 +28,7 @@ class UnknownWeightError(KeyError):
     """A weight update named a tensor the engine's model does not have."""
 
 
-class TransformersEngine:
+class TransformersEngine(BatchedEngine):
     """In-process engine over a HF checkpoint directory. Thread-safe: requests submitted
     while a batch runs form the next batch (rollout/batcher.py)."""
 
@@ -54,19 +54,6 @@ class TransformersEngine:
                                        name="hf-engine")
 
     # ---- generation -------------------------------------------------------------------
-    def submit(self, requests: list[EngineRequest], *, on_start=None):
-        for req in requests:
-            self._check_request(req)
-        return self._batcher.submit(requests, on_start=on_start)
-
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
-        return self.submit(requests).result()
-
-    @property
-    def batch_sizes(self):
-        """Requests per batch of the latest batches."""
-        return self._batcher.batch_sizes
-
     def _run_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
         """One batch from the batcher: one generate() per set of stop tokens (the only setting
         a batch must share; temperature, top-p/k, seed and length are per row)."""

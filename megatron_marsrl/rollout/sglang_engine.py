@@ -30,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from megatron_marsrl.rollout.batcher import DynamicBatcher
+from megatron_marsrl.rollout.batcher import BatchedEngine, DynamicBatcher
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
 from megatron_marsrl.rollout.routed_experts import decode_sglang, experts_layout
 
@@ -52,7 +52,7 @@ def prepare_cpu_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *paths])
 
 
-class SGLangEngine:
+class SGLangEngine(BatchedEngine):
     """One SGLang engine over a HF checkpoint directory."""
 
     def __init__(self, model_dir: str, *, max_total_tokens: int = 16384, dtype: str = "auto", seed: int = 0,
@@ -86,21 +86,11 @@ class SGLangEngine:
         self._engine = Engine(**kwargs, **server_args)
         self._batcher = DynamicBatcher(self._run_batch, token_budget=max_total_tokens, name="sglang-engine")
 
-    def submit(self, requests: list[EngineRequest], *, on_start=None):
-        for req in requests:
-            total = len(req.prompt_ids) + req.sampling.max_new_tokens
-            if not req.prompt_ids or total > self.max_total_tokens:
-                raise ValueError(f"request {req.rid!r}: {len(req.prompt_ids)} prompt tokens + max_new_tokens "
-                                 f"{req.sampling.max_new_tokens} must be in 1..max_total_tokens={self.max_total_tokens}")
-        return self._batcher.submit(requests, on_start=on_start)
-
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
-        return self.submit(requests).result()
-
-    @property
-    def batch_sizes(self):
-        """Requests per batch of the latest batches."""
-        return self._batcher.batch_sizes
+    def _check_request(self, req: EngineRequest) -> None:
+        total = len(req.prompt_ids) + req.sampling.max_new_tokens
+        if not req.prompt_ids or total > self.max_total_tokens:
+            raise ValueError(f"request {req.rid!r}: {len(req.prompt_ids)} prompt tokens + max_new_tokens "
+                             f"{req.sampling.max_new_tokens} must be in 1..max_total_tokens={self.max_total_tokens}")
 
     def _run_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:
         params = [_sampling_params(r) for r in requests]

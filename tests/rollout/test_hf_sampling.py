@@ -72,7 +72,7 @@ def test_concurrent_requests_form_batches_and_keep_their_seeds(tiny_hf):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(lambda r: engine.generate([r])[0], requests))
     batches = list(engine.batch_sizes)[runs_before:]
-    assert sum(batches) == 16 and len(batches) <= 4, batches
+    assert sum(batches) == 16 and len(batches) <= 8 and max(batches) >= 4, batches
     assert [o.output_ids for o in outs[:4]] == alone
     engine.shutdown()
 

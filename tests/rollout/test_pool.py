@@ -209,6 +209,7 @@ class Scripted:
         future = concurrent.futures.Future()
 
         def work():
+            outputs = self.engine.generate(requests) if self.error is None else None  # while "queued"
             time.sleep(self.queued)
             if not future.set_running_or_notify_cancel():
                 return
@@ -217,7 +218,7 @@ class Scripted:
             if self.error is not None:
                 future.set_exception(self.error)
             else:
-                future.set_result(self.engine.generate(requests))
+                future.set_result(outputs)
 
         threading.Thread(target=work, daemon=True).start()
         return future
@@ -229,11 +230,11 @@ class Scripted:
 def test_time_queued_does_not_count_against_the_timeout(hf_engines):
     from megatron_marsrl.rollout.engine import GenerationTimeout
 
-    slow_queue = Scripted(hf_engines[0], queued=1.5, runs=0.0)
-    pool = EnginePool([slow_queue], timeout=GenerationTimeout(base_s=0.5, per_token_s=0.0))
+    slow_queue = Scripted(hf_engines[0], queued=3.0, runs=0.0)
+    pool = EnginePool([slow_queue], timeout=GenerationTimeout(base_s=1.0, per_token_s=0.0))
     assert len(asyncio.run(pool.generate(_reqs(1)[0])).output_ids) == 3 and not pool.failures
-    slow_run = Scripted(hf_engines[0], queued=0.0, runs=1.5)
-    pool = EnginePool([slow_run], timeout=GenerationTimeout(base_s=0.5, per_token_s=0.0), max_attempts=2)
+    slow_run = Scripted(hf_engines[0], queued=0.0, runs=3.0)
+    pool = EnginePool([slow_run], timeout=GenerationTimeout(base_s=1.0, per_token_s=0.0), max_attempts=2)
     with pytest.raises(RequestFailedError, match="TimeoutError"):
         asyncio.run(pool.generate(_reqs(1)[0]))
     assert slow_run.calls == 2  # a timeout is retried
