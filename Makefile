@@ -1,6 +1,6 @@
 # All targets run inside the environment that scripts/env.sh creates outside the
 # checkout (keyed by the pins in requirements/) and reuses on later runs.
-.PHONY: env env-path test test-fast run selfcheck bench-convert
+.PHONY: env env-path test test-fast run selfcheck bench-convert gpu-carry
 
 env:
 	@scripts/env.sh >/dev/null
@@ -25,3 +25,7 @@ selfcheck:
 
 bench-convert:
 	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} "$$env/bin/marsrl" bench convert
+
+# The carry for the lent GPU machine: wheels beyond torch/transformers into gpu_wheels/ (needs network).
+gpu-carry:
+	@scripts/gpu_carry.sh

@@ -1,9 +1,11 @@
-"""Run a function on N local ranks (one process each), torchrun-style, for CPU tools and tests.
+"""Run a function on N local ranks (one process each), torchrun-style, for tools and tests.
 
     results = launch("pkg.module:function", world_size=2, kwargs={...})
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in its environment,
 calls ``function(**kwargs)`` and its JSON-serialisable return value comes back in rank order.
+On a GPU node each rank uses the CUDA device its LOCAL_RANK names (``parallel.init_parallel``),
+so world_size may not exceed the visible devices.
 If any rank fails, the others are killed and :class:`LaunchError` carries the failing rank's
 output tail. When already inside a torchrun job, call the function directly instead.
 """

@@ -62,10 +62,13 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, *, dtype: torc
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu,
-        # Fused kernels are CUDA-only; on GPU Megatron's defaults apply.
+        # Fused kernels are CUDA-only. Two of Megatron's defaults need Apex, which the GPU image
+        # may lack and TE layers never use: the masked-softmax kernel (local attention; it would
+        # also ignore packed block masks) and the persistent layer norm (Megatron's torch norm
+        # asserts it off).
         bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=on_gpu,
@@ -126,6 +129,12 @@ def build_model(arch: ModelArch, parallel: ParallelConfig, *, dtype: torch.dtype
         rotary_base=arch.rope_theta,
     )
     model.marsrl_vocab_size = arch.vocab_size  # rows beyond it are TP padding (forward.py masks them)
+    if not have_transformer_engine():
+        # Local-spec norms (torch.nn.RMSNorm) are created in fp32 whatever params_dtype says;
+        # Megatron's mixed-precision optimizer and checkpoints expect one dtype.
+        for param in model.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

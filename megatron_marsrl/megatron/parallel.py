@@ -103,12 +103,12 @@ def init_parallel(parallel: ParallelConfig, arch: ModelArch, *, seed: int = 1234
         from megatron_marsrl.megatron import cpu_compat
 
         cpu_compat.apply()
+    else:
+        torch.cuda.set_device(local_cuda_device())
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if not on_cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10))
     parallel.validate(arch, dist.get_world_size())
@@ -124,6 +124,18 @@ def init_parallel(parallel: ParallelConfig, arch: ModelArch, *, seed: int = 1234
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def local_cuda_device() -> int:
+    """The CUDA device of this rank: LOCAL_RANK (set by torchrun and by ``launch``; 0 when
+    absent). Raises LayoutError when the node has fewer visible devices than local ranks, where
+    NCCL would otherwise fail later with a less helpful message."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LayoutError(f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s): launch at most "
+                          f"{count} rank(s) per node, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
+    return local_rank
 
 
 def _free_port() -> int:

@@ -4,10 +4,11 @@ Used by ``marsrl selfcheck``, the tests and the GPU check. Megatron runs on the 
 (the CUDA device its LOCAL_RANK names when there is one) in the dtype asked for; the reference
 is always transformers on CPU in fp32. On a GPU this compares CUDA logits with a CPU reference:
 
-    python -m megatron_marsrl.megatron.verify --family qwen3_moe --dtype bfloat16 --out /tmp/v
+    python -m megatron_marsrl.megatron.verify --families qwen3_moe,qwen3 --dtypes float32,bfloat16 --out /tmp/v
 
-runs one rank (launched like any job, so LOCAL_RANK picks the GPU) on a tiny random checkpoint,
-prints one JSON record and exits 0 when the differences are within the dtype's tolerance.
+runs one rank (launched like any job, so LOCAL_RANK picks the GPU) over tiny random checkpoints,
+prints one JSON record per (family, dtype) and exits 0 when every difference is within its
+dtype's tolerance.
 """
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ import torch.distributed as dist
 from megatron_marsrl.megatron.forward import full_logits, token_logprobs
 from megatron_marsrl.megatron.hf_checkpoint import HFCheckpointReader, export_hf_buckets, load_hf_weights
 from megatron_marsrl.megatron.hf_config import ModelArch
+from megatron_marsrl.megatron.launch import launch
 from megatron_marsrl.megatron.model import build_model, have_transformer_engine
 from megatron_marsrl.megatron.parallel import ParallelConfig, init_parallel
+from megatron_marsrl.megatron.tiny import FAMILIES, make_hf_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 """Max |Megatron - HF| of logits and log-probs that passes. fp32 agrees to ~5e-7 on CPU and is
 the weight-mapping check: on the tiny models a mis-mapped tensor can move bf16 logits by as
-little as 3e-2 (one expert's fc1 rows reversed, measured), inside bf16's own rounding noise of
+little as 2.6e-2 (one expert's fc1 rows reversed, measured), inside bf16's own rounding noise of
 4e-3 to 7.5e-3 (CPU; qwen3_moe, qwen3, llama). The bf16 bound only says the bf16 path is sane,
 with room for other kernels' rounding; run both dtypes."""
 
@@ -86,35 +89,46 @@ def parity_report(hf_dir: str, layout: dict, seed: int = 0, temperature: float =
             "reference": "transformers fp32 on cpu"}
 
 
-def check(family: str, dtype: str, out: Path) -> dict:
-    """Make a tiny random ``family`` checkpoint under ``out``, launch one rank on it and return its
-    parity report with the tolerance and the verdict (``passed``)."""
-    from megatron_marsrl.megatron.launch import launch
-    from megatron_marsrl.megatron.tiny import make_hf_checkpoint
+def parity_reports(cases: list[dict]) -> list[dict]:
+    """``parity_report(**case)`` for each case, in this one process (one start-up for all)."""
+    return [parity_report(**case) for case in cases]
 
-    hf = make_hf_checkpoint(family, out / family, seed=0)
-    report = launch("megatron_marsrl.megatron.verify:parity_report", 1, {"hf_dir": str(hf), "layout": {}, "dtype": dtype})[0]
-    tolerance = TOLERANCE[dtype]
-    passed = (report["logit_diff"] < tolerance and report["logprob_diff"] < tolerance
-              and not report["export_mismatched"] and report["export_seen"] == report["hf_total"])
-    return {"family": family, **report, "tolerance": tolerance, "passed": passed}
+
+def check(families: list[str], dtypes: list[str], out: Path) -> list[dict]:
+    """Make a tiny random checkpoint of each family under ``out``, launch one rank that checks
+    every (family, dtype), and return the reports with the tolerance and the verdict."""
+    cases = [{"family": f, "hf_dir": str(make_hf_checkpoint(f, out / f, seed=0)), "dtype": d}
+             for f in families for d in dtypes]
+    reports = launch("megatron_marsrl.megatron.verify:parity_reports", 1,
+                     {"cases": [{"hf_dir": c["hf_dir"], "layout": {}, "dtype": c["dtype"]} for c in cases]})[0]
+    records = []
+    for case, report in zip(cases, reports):
+        tolerance = TOLERANCE[case["dtype"]]
+        passed = (report["logit_diff"] < tolerance and report["logprob_diff"] < tolerance
+                  and not report["export_mismatched"] and report["export_seen"] == report["hf_total"])
+        records.append({"family": case["family"], **report, "tolerance": tolerance, "passed": passed})
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_marsrl.megatron.verify",
                                      description="Megatron (this machine's device) vs transformers (CPU, fp32) "
-                                                 "logit parity on a tiny random checkpoint, world size 1")
-    parser.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "qwen3", "llama"))
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
-    parser.add_argument("--out", required=True, help="working directory for the tiny checkpoint")
-    parser.add_argument("--json", default=None, help="also write the record to this file")
+                                                 "logit parity on tiny random checkpoints, world size 1")
+    parser.add_argument("--families", default="qwen3_moe", help="comma-separated: qwen3_moe, qwen3, llama")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16")
+    parser.add_argument("--out", required=True, help="working directory for the tiny checkpoints")
+    parser.add_argument("--json", default=None, help="also write the records (a JSON list) to this file")
     args = parser.parse_args(argv)
-    record = check(args.family, args.dtype, Path(args.out))
-    text = json.dumps(record, indent=2)
+    families, dtypes = args.families.split(","), args.dtypes.split(",")
+    for value, allowed in [*((f, FAMILIES) for f in families), *((d, DTYPES) for d in dtypes)]:
+        if value not in allowed:
+            parser.error(f"{value!r}: choose from {', '.join(allowed)}")
+    records = check(families, dtypes, Path(args.out))
+    text = json.dumps(records, indent=2)
     if args.json:
         Path(args.json).write_text(text)
     print(text, flush=True)
-    return 0 if record["passed"] else 1
+    return 0 if all(r["passed"] for r in records) else 1
 
 
 if __name__ == "__main__":
