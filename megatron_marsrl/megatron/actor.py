@@ -43,28 +43,33 @@ class Sequence:
     """The engine's MoE routing of prompt + response tokens [tokens-1, layers, top_k] (replay)."""
 
 
-def pack_sequences(seqs: list[Sequence], *, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded tensors of a micro-batch. Positions are next-token predictions
-    (index i predicts token i+1), so per-token tensors are [b, s-1]."""
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
+def pack_sequences(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+    """A micro-batch packed into one row: ``tokens`` [1, sum of lengths] holds the sequences
+    back to back and ``cu_seqlens`` (int32 [b+1]) where each starts; the forward keeps attention
+    within each sequence (forward.py), so the micro-batch costs the sum of its lengths, not
+    b x longest. What the loss reads stays per sequence, right-padded: positions are next-token
+    predictions (index i predicts token i+1), so per-token tensors are [b, longest-1]. A
+    routing record follows the packed order (routing_replay.pack_for_replay)."""
+    ids = [s.prompt_ids + s.response_ids for s in seqs]
+    width = max(len(i) for i in ids) - 1
     b = len(seqs)
-    tokens = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width - 1), dtype=torch.bool)
-    rollout = torch.zeros((b, width - 1), dtype=torch.float32)
+    mask = torch.zeros((b, width), dtype=torch.bool)
+    rollout = torch.zeros((b, width), dtype=torch.float32)
     for row, s in enumerate(seqs):
-        ids = s.prompt_ids + s.response_ids
-        tokens[row, : len(ids)] = torch.tensor(ids)
         start = len(s.prompt_ids) - 1  # logprob index of the first response token
         mask[row, start + s.trained_from: start + len(s.response_ids)] = True
         if s.rollout_logprobs is not None:
             rollout[row, start: start + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
-    batch = {"tokens": tokens, "response_mask": mask, "rollout_logprobs": rollout,
+    lengths = torch.tensor([len(i) for i in ids])
+    batch = {"tokens": torch.tensor([t for i in ids for t in i], dtype=torch.long)[None],
+             "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32),
+             "response_mask": mask, "rollout_logprobs": rollout,
              "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),
              "rewards": torch.tensor([s.reward for s in seqs], dtype=torch.float32)}
     if any(s.routed_experts is not None for s in seqs):
-        from megatron_marsrl.megatron.routing_replay import stack_for_replay
+        from megatron_marsrl.megatron.routing_replay import pack_for_replay
 
-        batch["routed_experts"] = stack_for_replay([s.routed_experts for s in seqs], width - 1)
+        batch["routed_experts"] = pack_for_replay([s.routed_experts for s in seqs], (lengths - 1).tolist())
     return batch
 
 
@@ -104,11 +109,13 @@ class PolicyActor:
         return forward.backward_micro_batch(self.model, batch, loss_fn, with_entropy=with_entropy,
                                             entropy_grad=entropy_grad)
 
-    def reference_logprobs(self, tokens: torch.Tensor, *, temperature: float) -> torch.Tensor:
-        """Log-probs of the frozen initial policy (for the KL term)."""
+    def reference_logprobs(self, batch: dict, *, temperature: float) -> torch.Tensor:
+        """Log-probs [b, longest-1] of the frozen initial policy (for the KL term) for a
+        `pack_sequences` batch; its own routing (the engine's record is the current policy's)."""
         if self.reference is None:
             raise RuntimeError(f"policy {self.name!r} was built without a reference model")
-        return forward.token_logprobs(self.reference, [tokens], temperature=temperature)[0]
+        tokens = {"tokens": batch["tokens"], "cu_seqlens": batch["cu_seqlens"]}
+        return forward.micro_batch_logprobs(self.reference, tokens, temperature=temperature)
 
     def finish_step(self, *, grad_scale: float, max_grad_norm: float | None) -> dict:
         """The step's gradient reduction and optimizer step (skipped on a bad gradient)."""

@@ -1,7 +1,13 @@
 """Pipeline-scheduled forward/backward passes: logits, per-token log-probs, training steps.
 
-All functions take micro-batches of token ids ``[micro_batch_size, seq]`` and run Megatron's
-schedule (1F1B when PP>1), so they work unchanged under any TP/PP/EP/DP layout.
+All functions run Megatron's schedule (1F1B when PP>1), so they work unchanged under any
+TP/PP/EP/DP layout. A micro-batch is either rows of token ids ``[b, seq]`` (one sequence per
+row, causal attention) or, for the RL trainer, packed (megatron/actor.py ``pack_sequences``:
+``tokens`` [1, sum of lengths] with ``cu_seqlens``): the sequences share one row, attention
+stays within each (a block-diagonal causal mask on the local path; THD ``PackedSeqParams``
+with Transformer Engine), so a micro-batch computes exactly its tokens and no
+[b, longest, vocab/TP] logits of padding. Per-token results of a packed micro-batch are
+unpacked to ``[b, longest - 1]``, the layout the loss reads for rows too.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ def _run_schedule(model, micro_batches: list[dict], step: Callable, *, forward_o
         set_routed_experts(chunk, batch.get(ROUTED_EXPERTS_KEY))
         return step(chunk, batch)
 
-    seq = max(b["tokens"].shape[1] for b in micro_batches)
+    seq = max(b["packed"]["inputs"].shape[1] if "packed" in b else b["tokens"].shape[1] for b in micro_batches)
     with routing_replay(model):
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -61,6 +67,90 @@ def _pad_for_sequence_parallel(tokens: torch.Tensor) -> torch.Tensor:
 def _shifted(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded (inputs, labels) for next-token log-probs of ``tokens``."""
     return _pad_for_sequence_parallel(tokens[:, :-1]), _pad_for_sequence_parallel(tokens[:, 1:])
+
+
+def _packed_inputs(model, batch: dict) -> dict:
+    """The forward's inputs for a packed micro-batch (``tokens`` [1, T], ``cu_seqlens`` [b+1]).
+
+    Each sequence contributes every token but its last (which predicts nothing within it) as
+    inputs and the next tokens as labels, so input position i of sequence k is log-prob
+    position i of row k of the unpacked layout, and a routing record (routing_replay.py) lines
+    up with the inputs as it does for rows. Positions restart at every sequence (GPTModel's
+    RoPE ignores them and rotates by row position on the local path: attention scores depend
+    only on the distance between two positions, which the mask keeps within one sequence, so
+    the result is the same; TE's THD RoPE restarts at each sequence itself). The row is
+    padded at the end to a multiple of TP (sequence parallel splits it over the TP ranks), the
+    padding forming a block of its own. ``dest`` maps each real position into ``[b, width]``.
+    """
+    from megatron.core import parallel_state as ps
+
+    device = _device()
+    tokens, cu = batch["tokens"].to(device), batch["cu_seqlens"].to(device).long()
+    lengths = cu.diff() - 1  # next-token positions of each sequence
+    n, real = lengths.numel(), int(lengths.sum())
+    seq_id = torch.repeat_interleave(torch.arange(n, device=device), lengths)
+    starts = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    offset = torch.arange(real, device=device) - starts[seq_id]
+    source = cu[seq_id] + offset  # where each input sits in ``tokens``
+    width = int(lengths.max())
+    pad = -real % ps.get_tensor_model_parallel_world_size()
+    bounds = torch.cat([starts, starts.new_tensor([real + pad])]) if pad else starts
+    block = torch.repeat_interleave(torch.arange(bounds.numel() - 1, device=device), bounds.diff())
+    return {"inputs": torch.nn.functional.pad(tokens[:, source], (0, pad)),
+            "labels": torch.nn.functional.pad(tokens[:, source + 1], (0, pad)),
+            "positions": (torch.arange(real + pad, device=device) - bounds[block])[None],
+            "attention": _attention_args(model, bounds, block),
+            "dest": seq_id * width + offset, "rows": n, "width": width}
+
+
+def _attention_args(model, bounds: torch.Tensor, block: torch.Tensor) -> dict:
+    """Keep each packed sequence's attention within itself: THD ``PackedSeqParams`` for
+    Transformer Engine, else a block-diagonal causal mask (Megatron's convention: bool, True =
+    masked out) that replaces the local attention's default causal one (fused_softmax.py
+    ``forward_torch_softmax`` builds the causal mask only when none is given)."""
+    from megatron_marsrl.megatron.model import have_transformer_engine
+
+    if have_transformer_engine():  # GPU only; never run on this project's CPU machines
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, longest = bounds.to(torch.int32), int(bounds.diff().max())
+        return {"packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                     max_seqlen_q=longest, max_seqlen_kv=longest)}
+    if _unwrap(model).config.masked_softmax_fusion:
+        # Megatron's fused causal softmax kernel (fp16/bf16) ignores any mask it is given.
+        raise RuntimeError("packed micro-batches need Transformer Engine or masked_softmax_fusion=False: "
+                           "the fused causal softmax would attend across sequences")
+    causal = torch.ones(block.numel(), block.numel(), dtype=torch.bool, device=block.device).tril()
+    return {"attention_mask": ~(causal & (block[:, None] == block[None, :]))[None, None]}
+
+
+def _unpack(values: torch.Tensor, packed: dict) -> torch.Tensor:
+    """Per-position values of a packed row [1, T] as ``[b, width]`` (0 beyond each sequence);
+    differentiable."""
+    flat = values.new_zeros(packed["rows"] * packed["width"])
+    return flat.index_copy(0, packed["dest"], values[0, : packed["dest"].numel()]).view(packed["rows"], -1)
+
+
+def _forward(chunk, data: dict):
+    """(logits, labels, to_rows) of one micro-batch: its forward, the next-token labels, and the
+    map of per-position values to ``[b, seq-1]`` (rows) or ``[b, width]`` (packed)."""
+    if "packed" in data:
+        packed = data["packed"]
+        logits = chunk(packed["inputs"], packed["positions"], packed["attention"].get("attention_mask"),
+                       packed_seq_params=packed["attention"].get("packed_seq_params"))
+        return logits, packed["labels"], lambda values: _unpack(values, packed)
+    tokens = data["tokens"]
+    inputs, labels = _shifted(tokens)
+    logits = chunk(inputs, _positions(inputs), None)
+    return logits, labels, lambda values: values[:, : tokens.shape[1] - 1]
+
+
+def _prepared(model, batch: dict) -> dict:
+    """``batch`` with its tokens on the device and, when packed, the forward's inputs."""
+    data = {**batch, "tokens": batch["tokens"].to(_device())}
+    if "cu_seqlens" in batch:
+        data["packed"] = _packed_inputs(model, batch)
+    return data
 
 
 def _scaled_logits(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -217,10 +307,12 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
 
     This is what lets the RL trainer train a group as soon as it is generated while other
     groups are still being sampled: any number of these calls, in any order, then one sync.
-    ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch) -> (loss, metrics)``.
-    An optional ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py).
-    Entropy is computed without autograd (no [tokens, vocab/TP] tensors kept for backward)
-    unless ``entropy_grad`` (an entropy bonus trains through it).
+    ``batch`` is packed (``tokens`` [1, T] and ``cu_seqlens``, actor.pack_sequences) or rows
+    (``tokens`` [b, s]); either way ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch)
+    -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (positions beyond a
+    sequence hold 0 when packed). An optional ``batch["routed_experts"]`` replays the engine's
+    MoE routing (routing_replay.py). Entropy is computed without autograd (no [tokens, vocab/TP]
+    tensors kept for backward) unless ``entropy_grad`` (an entropy bonus trains through it).
     Returns the metrics (floats) on every rank.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -233,14 +325,12 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
                              dim=1)
 
     def step(chunk, data):
-        tokens = data["tokens"]
-        inputs, labels = _shifted(tokens)
-        logits = chunk(inputs, _positions(inputs), None)
+        logits, labels, to_rows = _forward(chunk, data)
 
         def loss_func(out):
             scaled = _scaled_logits(model, out, data.get("temperature", 1.0))
-            entropy = entropy_of(scaled)[:, : tokens.shape[1] - 1] if with_entropy else None
-            logp = -vocab_parallel_cross_entropy(scaled.clone(), labels)[:, : tokens.shape[1] - 1]
+            entropy = to_rows(entropy_of(scaled)) if with_entropy else None
+            logp = to_rows(-vocab_parallel_cross_entropy(scaled.clone(), labels))
             loss, metrics = loss_fn(logp, entropy, data)
             return loss, {"loss": loss.detach().clone(),
                           **{k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}}
@@ -251,10 +341,30 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
     try:
         with model.no_sync():
-            out = _run_schedule(model, [{**batch, "tokens": batch["tokens"].to(_device())}], step, forward_only=False)
+            out = _run_schedule(model, [_prepared(model, batch)], step, forward_only=False)
     finally:
         config.finalize_model_grads_func = finalize
     return _reduce_metrics(out, 1, over_data_parallel=False)
+
+
+def micro_batch_logprobs(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs ``[b, s-1]`` of one micro-batch, packed or rows (as :func:`backward_micro_batch`
+    lays them out), without gradient, on every rank (e.g. a frozen reference model's)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def step(chunk, data):
+        logits, labels, to_rows = _forward(chunk, data)
+        return logits, lambda out: (out.sum() * 0.0, {"logprobs": to_rows(
+            -vocab_parallel_cross_entropy(_scaled_logits(model, out, temperature), labels)).detach()})
+
+    with torch.no_grad():
+        data = _prepared(model, batch)
+        out = _run_schedule(model, [data], step, forward_only=True)
+    if "packed" in data:
+        shape = torch.Size((data["packed"]["rows"], data["packed"]["width"]))
+    else:
+        shape = torch.Size((batch["tokens"].shape[0], batch["tokens"].shape[1] - 1))
+    return _broadcast_from_last_stage([d["logprobs"] for d in out], [shape])[0]
 
 
 def finish_accumulation(model, optimizer, *, grad_scale: float = 1.0, max_grad_norm: float | None = None) -> dict:

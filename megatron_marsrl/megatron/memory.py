@@ -108,8 +108,9 @@ class MemoryConfig:
     """Number of GPUs training the policy (and hosting its engines when colocated)."""
     micro_batch_tokens: int
     """Tokens of the largest micro-batch one model replica runs, padding included: the trainer
-    pads every row to the longest, so b sequences take b x longest (the budget the RL
-    scheduler packs to). Each CP rank holds micro_batch_tokens / cp of them.
+    packs its sequences into one row, so they take the sum of their lengths (the budget the RL
+    scheduler packs to), padded to a multiple of TP under sequence parallel. Each CP rank
+    holds micro_batch_tokens / cp of them.
     ParallelConfig.micro_batch_size is not used."""
     cp: int = 1
     """Context-parallel size: every sequence is split over cp ranks (ring attention)."""

@@ -6,10 +6,11 @@ beyond the rest of the train/rollout mismatch. Replaying the engine's choices re
 
 Batch key ``routed_experts``: ints ``[batch, rows, layers, top_k]`` aligned with the *model
 inputs* of a micro-batch: row i holds the global expert ids (0..num_experts-1) of the token at
-input position i in every decoder layer (for the next-token forwards in forward.py the inputs
-are ``tokens[:, :-1]``, which is exactly what an engine record covers, see
-rollout/routed_experts.py). Rows beyond ``rows`` and rows holding -1 (padding, sequences
-without a record, dense layers) keep the router's own choice.
+input position i in every decoder layer. For rows of token ids the inputs are ``tokens[:, :-1]``,
+which is exactly what an engine record covers (rollout/routed_experts.py); a packed micro-batch
+(batch 1) has each sequence's inputs back to back, so its records are too (:func:`pack_for_replay`).
+Rows beyond ``rows`` and rows holding -1 (padding, sequences without a record, dense layers)
+keep the router's own choice.
 
 Gradients: the replayed experts fix *which* experts a token uses; their gate weights are
 recomputed from the current router logits (softmax over the chosen experts' logits, or the
@@ -190,18 +191,20 @@ def routing_replay(model):
         clear_routed_experts(model)
 
 
-def stack_for_replay(records: list[torch.Tensor | None], length: int) -> torch.Tensor | None:
-    """Engine records (``[rows_i, layers, top_k]`` or None) of a micro-batch's sequences as one
-    ``routed_experts`` batch value ``[batch, length, layers, top_k]``, padded/cut with -1.
-    For next-token forwards over tokens ``[b, s]`` use ``length = s - 1``. None when no
-    sequence has a record."""
+def pack_for_replay(records: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """Engine records (``[rows_i, layers, top_k]`` or None) of a packed micro-batch's sequences
+    as one ``routed_experts`` batch value ``[1, sum(lengths), layers, top_k]``: sequence i's
+    rows, cut or padded with -1 to ``lengths[i]`` (its tokens - 1: the forward's inputs of it,
+    forward.py), back to back in packing order. None when no sequence has a record."""
     known = [r for r in records if r is not None]
     if not known:
         return None
     _, layers, top_k = known[0].shape
-    out = torch.full((len(records), length, layers, top_k), NO_ROUTING, dtype=torch.int32)
-    for i, record in enumerate(records):
+    out = torch.full((1, sum(lengths), layers, top_k), NO_ROUTING, dtype=torch.int32)
+    start = 0
+    for record, length in zip(records, lengths, strict=True):
         if record is not None:
             rows = min(length, record.shape[0])
-            out[i, :rows] = torch.as_tensor(record[:rows], dtype=torch.int32)
+            out[0, start: start + rows] = torch.as_tensor(record[:rows], dtype=torch.int32)
+        start += length
     return out

@@ -16,9 +16,10 @@ How this trainer maps onto the estimate, and why the verdict adds a third figure
     phase plus the train phase's transient memory (activations, logits, buffers).
     memory.py's two-phase peak (engines released during training) is printed as well.
   * The train phase's activations and logits are those of the largest micro-batch, counted as
-    the scheduler counts it: padded tokens, rows x longest (the trainer pads every row to the
-    longest; rl/scheduler.padded_tokens), at most scheduler.token_budget, or one longer
-    sequence alone (SchedulerConfig.max_micro_batch_tokens). The longest sequence is taken as
+    the scheduler counts it: the sum of its sequences' lengths (the trainer packs them into one
+    row; rl/scheduler.micro_batch_tokens), at most scheduler.token_budget, or one longer
+    sequence alone (SchedulerConfig.max_micro_batch_tokens), rounded up to a multiple of TP
+    under sequence parallel as the trainer pads the row. The longest sequence is taken as
     rollout.sampling.max_tokens: prompts have no configured bound, so a budget with a prompt
     allowance (as the Qwen3 recipes set) is what covers them.
   * A plan fits when it leaves memory.py's reserve free (6 GiB of an 80 GiB GPU), the binding
@@ -109,8 +110,8 @@ def _check_engine_placement(config: TrainConfig, gpus_per_node: int) -> str:
 
 
 def _micro_batch_tokens(config: TrainConfig, arch: ModelArch) -> int:
-    """Padded tokens of the largest micro-batch the scheduler can release (module docstring),
-    rounded up to a multiple of TP under sequence parallel, as the trainer pads its rows."""
+    """Tokens of the largest micro-batch the scheduler can release (module docstring), rounded
+    up to a multiple of TP under sequence parallel, as the trainer pads its packed row."""
     tokens = config.scheduler.max_micro_batch_tokens(config.rollout.sampling.max_tokens)
     multiple = config.parallel.tp if config.parallel.effective_sequence_parallel(arch) else 1
     return -(-tokens // multiple) * multiple

@@ -92,7 +92,7 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             sequence_parallel=True,  # required by Megatron for MoE with TP > 1; splits norms/residuals 4 ways
             distributed_optimizer=True,  # shards Adam state over data-parallel ranks; required for offload
             recompute="full",  # a 68k-token micro-batch saves 115 GiB per GPU with selective recompute, 3 with full
-            micro_batch_size=1,  # unused: the scheduler's token budget (rows x longest) sizes a micro-batch
+            micro_batch_size=1,  # unused: the scheduler's token budget sizes a micro-batch (one packed row)
         ),
         optim=OptimConfig(
             optimizer="adam",  # AdamW (decoupled weight decay), as MarsRL
@@ -135,7 +135,7 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             segment_tokens=16384,
         ),
         scheduler=SchedulerConfig(
-            # padded tokens (rows x longest, as the trainer pads): one 64k output plus a 4k prompt, or 17 rows of 4k
+            # tokens of one packed row: one 64k output plus a 4k prompt, or any mix of shorter sequences summing to it
             token_budget=MAX_OUTPUT_TOKENS + PROMPT_ALLOWANCE,
             max_sequences=None,  # only the token budget limits packing
             overlap=True,  # train finished groups while the rest is generated (the point of the scheduler)

@@ -10,20 +10,20 @@ Contract, per RL step:
 * A group (G samples of one role answering the same input) is handed over whole, once, when
   its last sample is done. Every item must carry the step's weight version: the update stays
   on-policy (no sample from another policy version is ever mixed in).
-* Items are packed into micro-batches that cost at most `token_budget` padded tokens (and hold
-  at most `max_sequences` sequences); a sequence longer than the budget gets a micro-batch of
-  its own. A micro-batch costs what the trainer allocates for it: `megatron/actor.py`
-  `pack_sequences` pads every row to the longest, so b sequences cost b x longest tokens
-  (`padded_tokens`), not the sum of their lengths. Packing several sequences into one row
-  (THD, no padding) is not done yet; when it is, the cost becomes the sum.
+* Items are packed into micro-batches that cost at most `token_budget` tokens (and hold at
+  most `max_sequences` sequences); a sequence longer than the budget gets a micro-batch of its
+  own. A micro-batch costs what the trainer computes for it: `megatron/actor.py`
+  `pack_sequences` packs its sequences into one row (attention kept within each sequence), so
+  it costs the sum of their lengths (`micro_batch_tokens`), plus fewer than TP tokens the
+  trainer pads the row with for sequence parallel (the memory plan rounds up to TP).
 * A `Round` is what the data-parallel ranks run together: exactly `dp_size` micro-batches, one
   per rank, all of ONE policy (the ranks of a model run it in lockstep because of the
   expert/tensor-parallel collectives). Only rounds released by `finish_step` may hold empty
   micro-batches (a rank with nothing to do still joins the collectives).
 * With `overlap`, a policy's round is formed as soon as its buffer holds `dp_size` micro-batches
-  that are ready and of similar cost: a micro-batch is ready when it is full, i.e. no further
-  sequence could join it (one more row of its longest length would break the budget, or the
-  sequence cap is reached); the round's smallest must cost at least `round_balance` of its
+  that are ready and of similar cost: a micro-batch is ready when it is full, i.e. no sequence
+  of the buffer, and none as short as its own shortest, could join it without breaking the
+  budget (or the sequence cap is reached); the round's smallest must cost at least `round_balance` of its
   largest (a round lasts as long as its largest micro-batch). Rounds wait in the order they
   became ready and `pop_ready` hands them out in that order (FIFO). Without overlap (the
   synchronous baseline) nothing is released before `finish_step`.
@@ -33,11 +33,10 @@ Contract, per RL step:
   optimizer step per policy after it.
 
 Packing: bin-at-a-time best-fit decreasing (open a micro-batch with the longest item left, add
-the longest item that still fits, repeat until none fits). Under the padded cost an item fits
-when (n + 1) x longest stays within the budget, so a micro-batch takes the next longest items
-left: sequences of similar length share a row width. Micro-batches are sorted by padded tokens
-and cut into rounds of `dp_size`, so a round's micro-batches are of similar size (little
-lockstep waiting); the last, partial round of a policy spreads its items over all ranks.
+the longest item that still fits in what the budget leaves, repeat until none fits), so long
+sequences are topped up with short ones. Micro-batches are sorted by tokens and cut into rounds
+of `dp_size`, so a round's micro-batches are of similar size (little lockstep waiting); the
+last, partial round of a policy spreads its items over all ranks.
 
 Pure Python: no torch, Megatron or agents.
 """
@@ -61,7 +60,7 @@ class SeqItem:
     policy: str
     """The policy (model) that trains on it; one of the scheduler's policies."""
     num_tokens: int
-    """Prompt + response tokens; the longest sequence of a micro-batch sets its row width."""
+    """Prompt + response tokens: what it adds to its micro-batch's cost."""
     version: int
     """Weight version that generated it; must equal the step's version."""
     group_id: str
@@ -83,13 +82,8 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Real (unpadded) tokens of its sequences."""
-        return sum(item.num_tokens for item in self.items)
-
-    @property
-    def padded_tokens(self) -> int:
-        """What it costs against the token budget: rows x longest (see `padded_tokens`)."""
-        return _padded(self.items)
+        """Tokens of its sequences: what it costs against the token budget (`micro_batch_tokens`)."""
+        return _cost(self.items)
 
 
 @dataclass(kw_only=True)
@@ -107,13 +101,13 @@ class Round:
 
     @property
     def num_tokens(self) -> int:
-        """Real (unpadded) tokens of all its micro-batches."""
+        """Tokens of all its micro-batches."""
         return sum(mb.num_tokens for mb in self.micro_batches)
 
     @property
-    def max_padded_tokens(self) -> int:
-        """Padded tokens of the largest micro-batch: what the lockstep round waits for."""
-        return max(mb.padded_tokens for mb in self.micro_batches)
+    def max_tokens(self) -> int:
+        """Tokens of the largest micro-batch: what the lockstep round waits for."""
+        return max(mb.num_tokens for mb in self.micro_batches)
 
     @property
     def items(self) -> list[SeqItem]:
@@ -125,10 +119,9 @@ class SchedulerConfig:
     """How completed groups are packed into micro-batches and when they are released."""
 
     token_budget: int = 65536
-    """Most padded tokens per micro-batch, sequences x longest sequence (one MarsRL max-length
-    output): the trainer pads every row to the longest (megatron/actor.py pack_sequences), so
-    that is what a micro-batch allocates; packing sequences into one row (THD) is not done yet.
-    A single longer sequence gets a micro-batch of its own."""
+    """Most tokens per micro-batch, the sum of its sequences' lengths (one MarsRL max-length
+    output): the trainer packs them into one row (megatron/actor.py pack_sequences), so that is
+    what a micro-batch computes. A single longer sequence gets a micro-batch of its own."""
     max_sequences: int | None = None
     """Most sequences per micro-batch; None: only the token budget limits."""
     overlap: bool = True
@@ -136,7 +129,7 @@ class SchedulerConfig:
     synchronous baseline)."""
     round_balance: float = 0.9
     """With overlap: a round is released early only when its smallest micro-batch costs at least
-    this fraction of its largest (padded tokens). The ranks run a round in lockstep, so the
+    this fraction of its largest (tokens). The ranks run a round in lockstep, so the
     others wait for the largest, and a full micro-batch may cost anywhere from just over half
     the budget (one sequence of 0.6x the budget is full alone) to all of it. Unmatched
     micro-batches wait for later groups or finish_step; 0 releases every ready one at once."""
@@ -150,9 +143,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.round_balance={self.round_balance!r}: must be within [0, 1]")
 
     def max_micro_batch_tokens(self, longest_sequence: int) -> int:
-        """The most padded tokens one micro-batch can cost when no sequence is longer than
+        """The most tokens one micro-batch can cost when no sequence is longer than
         `longest_sequence`: the budget, or one such sequence alone when it exceeds the budget."""
-        return max(self.token_budget, padded_tokens(1, longest_sequence))
+        return max(self.token_budget, micro_batch_tokens([longest_sequence]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,9 +159,7 @@ class StepReport:
     items: int
     """Sequences released."""
     tokens: int
-    """Real (unpadded) tokens released."""
-    padded_tokens: int
-    """Padded tokens of the released micro-batches (what the trainer allocates and computes)."""
+    """Tokens released (what the trainer computes)."""
     rounds: int
     """Rounds released (by pop_ready and finish_step)."""
     rounds_overlapped: int
@@ -178,10 +169,10 @@ class StepReport:
     empty_micro_batches: int
     """Slots without items (ranks that only join the collectives)."""
     fill_fraction: float
-    """padded_tokens / token capacity of all slots (an oversized micro-batch counts as full)."""
-    padding_fraction: float
-    """Share of the lockstep rank-time not spent on real tokens: rows padded to their
-    micro-batch's longest sequence, and ranks waiting for their round's largest micro-batch."""
+    """tokens / token capacity of all slots (an oversized micro-batch counts as full)."""
+    idle_fraction: float
+    """Share of the lockstep rank-time not spent on tokens: ranks waiting for their round's
+    largest micro-batch."""
 
 
 class MicroBatchScheduler:
@@ -262,15 +253,14 @@ class MicroBatchScheduler:
             raise SchedulerError("report() before the first begin_step")
         slots = [mb for r in self._released for mb in r.micro_batches]
         tokens = sum(mb.num_tokens for mb in slots)
-        padded = sum(mb.padded_tokens for mb in slots)
-        capacity = sum(max(self.config.token_budget, mb.padded_tokens) for mb in slots)
-        lockstep = sum(self.dp_size * r.max_padded_tokens for r in self._released)
+        capacity = sum(max(self.config.token_budget, mb.num_tokens) for mb in slots)
+        lockstep = sum(self.dp_size * r.max_tokens for r in self._released)
         return StepReport(step=self._step, version=self._version,
-                          items=sum(len(mb.items) for mb in slots), tokens=tokens, padded_tokens=padded,
+                          items=sum(len(mb.items) for mb in slots), tokens=tokens,
                           rounds=len(self._released), rounds_overlapped=self._overlapped,
                           micro_batches=len(slots), empty_micro_batches=sum(not mb.items for mb in slots),
-                          fill_fraction=padded / capacity if capacity else 0.0,
-                          padding_fraction=1.0 - tokens / lockstep if lockstep else 0.0)
+                          fill_fraction=tokens / capacity if capacity else 0.0,
+                          idle_fraction=1.0 - tokens / lockstep if lockstep else 0.0)
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -301,11 +291,11 @@ class MicroBatchScheduler:
     def _form_ready_rounds(self, policy: str) -> None:
         budget, cap = self.config.token_budget, self.config.max_sequences
         bins = pack(self._buffers[policy], token_budget=budget, max_sequences=cap)
-        # Every micro-batch but the last closed because it was full; the last one may only
-        # have run out of items, so it counts only when full.
+        # Every micro-batch but the last closed because no item of the buffer fitted; the
+        # last one may only have run out of items, so it counts only when full.
         if bins and not _is_full(bins[-1], budget, cap):
             bins = bins[:-1]
-        chosen = self._balanced_runs(sorted(bins, key=_padded, reverse=True))
+        chosen = self._balanced_runs(sorted(bins, key=_cost, reverse=True))
         if not chosen:
             return
         taken = {item.key for mb in chosen for item in mb}
@@ -313,12 +303,12 @@ class MicroBatchScheduler:
         self._ready.extend(self._make_rounds(policy, chosen, final=False))
 
     def _balanced_runs(self, bins: list[list[SeqItem]]) -> list[list[SeqItem]]:
-        """Runs of `dp_size` consecutive micro-batches of `bins` (largest padded cost first) whose
+        """Runs of `dp_size` consecutive micro-batches of `bins` (largest cost first) whose
         smallest costs at least round_balance x their largest, largest runs first."""
         chosen, start = [], 0
         while start + self.dp_size <= len(bins):
             run = bins[start: start + self.dp_size]
-            if _padded(run[-1]) >= self.config.round_balance * _padded(run[0]):
+            if _cost(run[-1]) >= self.config.round_balance * _cost(run[0]):
                 chosen += run
                 start += self.dp_size
             else:
@@ -326,7 +316,7 @@ class MicroBatchScheduler:
         return chosen
 
     def _make_rounds(self, policy: str, bins: list[list[SeqItem]], *, final: bool) -> list[Round]:
-        bins = sorted(bins, key=_padded, reverse=True)
+        bins = sorted(bins, key=_cost, reverse=True)
         rounds = []
         for start in range(0, len(bins), self.dp_size):
             chunk = bins[start: start + self.dp_size]
@@ -344,9 +334,8 @@ class MicroBatchScheduler:
         budget, cap = self.config.token_budget, self.config.max_sequences
         spread: list[list[SeqItem]] = [[] for _ in range(self.dp_size)]
         for item in sorted((i for b in chunk for i in b), key=lambda i: i.num_tokens, reverse=True):
-            target = min(spread, key=lambda b: (_padded(b), len(b)))
-            # items arrive longest first, so a rank's first item is its longest
-            if target and not _fits(len(target) + 1, target[0].num_tokens, budget, cap):
+            target = min(spread, key=lambda b: (_cost(b), len(b)))
+            if target and not _fits(len(target) + 1, _cost(target) + item.num_tokens, budget, cap):
                 return chunk + [[] for _ in range(self.dp_size - len(chunk))]
             target.append(item)
         return spread
@@ -366,39 +355,43 @@ class MicroBatchScheduler:
                 raise RuntimeError(f"step {self._step}: round {r.index} is malformed (scheduler bug)")
 
 
-def padded_tokens(num_sequences: int, longest: int) -> int:
-    """What a micro-batch of `num_sequences` sequences, the longest of `longest` tokens, costs
-    against the token budget: the trainer pads every row to the longest (megatron/actor.py
-    pack_sequences), so it allocates and computes a [num_sequences, longest] batch. The one
-    definition of the cost; packing into one row (THD) would make it the sum of the lengths."""
-    return num_sequences * longest
+def micro_batch_tokens(lengths: Iterable[int]) -> int:
+    """What a micro-batch of sequences of `lengths` tokens costs against the token budget: the
+    trainer packs them into one row (megatron/actor.py pack_sequences), so it computes the sum
+    of their lengths. The one definition of the cost."""
+    return sum(lengths)
 
 
 def pack(items: Sequence[SeqItem], *, token_budget: int, max_sequences: int | None = None) -> list[list[SeqItem]]:
-    """Bin-at-a-time best-fit decreasing under the padded cost: each micro-batch opens with the
-    longest item left and takes the longest item that still fits until none does (or it holds
-    `max_sequences`). Every item left is no longer than the opening one, so whether one fits
-    depends only on the count: (n + 1) x opening length <= `token_budget`. Ties go to the earlier
-    item. Returns the micro-batches in the order they were opened, each longest first."""
-    left = deque(sorted(items, key=lambda item: -item.num_tokens))  # stable: earlier items first on ties
+    """Bin-at-a-time best-fit decreasing: each micro-batch opens with the longest item left and
+    takes the longest item that still fits in what the budget leaves until none does (or it
+    holds `max_sequences`). Ties go to the earlier item. Returns the micro-batches in the order
+    they were opened, each longest first."""
+    left = sorted(items, key=lambda item: -item.num_tokens)  # stable: earlier items first on ties
     bins = []
     while left:
-        mb = [left.popleft()]
-        while left and _fits(len(mb) + 1, mb[0].num_tokens, token_budget, max_sequences):
-            mb.append(left.popleft())
+        mb, i = [left.pop(0)], 0
+        # `left` is longest first, so the first item that fits is the longest one; an item
+        # skipped once never fits later (the room only shrinks)
+        while i < len(left) and (max_sequences is None or len(mb) < max_sequences):
+            if _fits(len(mb) + 1, _cost(mb) + left[i].num_tokens, token_budget, max_sequences):
+                mb.append(left.pop(i))
+            else:
+                i += 1
         bins.append(mb)
     return bins
 
 
-def _fits(count: int, longest: int, budget: int, cap: int | None) -> bool:
-    """Whether a micro-batch may hold `count` sequences whose longest has `longest` tokens."""
-    return padded_tokens(count, longest) <= budget and (cap is None or count <= cap)
+def _fits(count: int, tokens: int, budget: int, cap: int | None) -> bool:
+    """Whether a micro-batch may hold `count` sequences of `tokens` tokens in all."""
+    return tokens <= budget and (cap is None or count <= cap)
 
 
-def _padded(items: Sequence[SeqItem]) -> int:
-    return padded_tokens(len(items), max((item.num_tokens for item in items), default=0))
+def _cost(items: Sequence[SeqItem]) -> int:
+    return micro_batch_tokens(item.num_tokens for item in items)
 
 
 def _is_full(items: Sequence[SeqItem], budget: int, cap: int | None) -> bool:
-    """No sequence can join: even a one-token one would break the budget or the sequence cap."""
-    return not _fits(len(items) + 1, max(item.num_tokens for item in items), budget, cap)
+    """No sequence as short as its shortest can join without breaking the budget or the cap."""
+    shortest = min(item.num_tokens for item in items)
+    return not _fits(len(items) + 1, _cost(items) + shortest, budget, cap)

@@ -25,8 +25,8 @@ Model, every assumption a `SimConfig` field:
     sequences at `decode_tokens_per_s` tokens/s each; requests wait FIFO for a free slot.
     Prefill time and KV-cache pressure below the concurrency cap are ignored.
   * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
-    scheduler in lockstep; a round lasts its largest micro-batch's padded tokens (rows x
-    longest, what the trainer computes) / the replica's rate (linear in tokens: the
+    scheduler in lockstep; a round lasts its largest micro-batch's tokens (sequences packed
+    into one row, what the trainer computes) / the replica's rate (linear in tokens: the
     long-context attention cost is folded into the rate).
   * Placement: colocated by default (every GPU hosts an engine and trains, as MarsRL runs):
     decoding keeps priority and training gets the GPU share it leaves (`colocated_decode_floor`
@@ -111,7 +111,7 @@ class SimConfig:
     """Training throughput: ~6e10 FLOP per token (forward+backward of 3.3B active parameters,
     causal attention at ~20k context, plus the log-prob forward) at ~250 TFLOP/s per H100."""
     token_budget: int = 65536
-    """Scheduler micro-batch budget in padded tokens, rows x longest (one max-length output)."""
+    """Scheduler micro-batch budget in tokens (one max-length output)."""
     weight_sync_s: float = 20.0
     """Optimizer step plus weight sync to the engines, per step (our estimate)."""
     colocated_decode_floor: float = 0.25
@@ -349,7 +349,7 @@ class _Trainer:
 
     def run(self, rounds, now: float) -> None:
         for r in rounds:
-            self.free = self._finish(max(self.free, now), r.max_padded_tokens / self.rate)
+            self.free = self._finish(max(self.free, now), r.max_tokens / self.rate)
             self.samples += len(r.items)
             self.tokens += r.num_tokens
 

@@ -245,7 +245,7 @@ class Trainer:
         batch["temperature"] = self.config.rollout.sampling.temperature or 1.0
         actor = self.actors[policy]
         if actor.reference is not None:
-            batch["ref_logprobs"] = actor.reference_logprobs(batch["tokens"], temperature=batch["temperature"])
+            batch["ref_logprobs"] = actor.reference_logprobs(batch, temperature=batch["temperature"])
         metrics = actor.train_micro_batch(batch, self._loss_fn, with_entropy=True,
                                           entropy_grad=self.config.loss.entropy_coef > 0)
         # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_marsrl.megatron.launch import launch
-from megatron_marsrl.megatron.routing_replay import _local_rows, stack_for_replay
+from megatron_marsrl.megatron.routing_replay import NO_ROUTING, _local_rows, pack_for_replay
 
 LAYOUTS = {
     "world1": (1, {}),
@@ -55,10 +55,10 @@ def test_local_rows_lays_out_tokens_as_the_router_sees_them():
         _local_rows(experts, 7, (1, 0, False))
 
 
-def test_stack_for_replay_pads_with_no_routing():
-    a, c = torch.ones(3, 2, 2, dtype=torch.int32), torch.zeros(6, 2, 2, dtype=torch.int32)
-    out = stack_for_replay([a, None, c], length=4)
-    assert out.shape == (3, 4, 2, 2) and out.dtype == torch.int32
-    assert bool((out[0, :3] == 1).all()) and bool((out[0, 3] == -1).all())
-    assert bool((out[1] == -1).all()) and bool((out[2] == 0).all())
-    assert stack_for_replay([None, None], length=4) is None
+def test_pack_for_replay_follows_the_packed_order():
+    a = torch.tensor([[[0, 1]], [[2, 3]], [[1, 2]]])  # 3 rows, 1 layer, top-2
+    c = torch.tensor([[[3, 0]]])
+    out = pack_for_replay([a, None, c], [2, 3, 2])  # a cut to 2 rows, c padded to 2
+    assert out.shape == (1, 7, 1, 2) and out.dtype == torch.int32
+    assert out[0, :, 0].tolist() == [[0, 1], [2, 3]] + [[NO_ROUTING] * 2] * 3 + [[3, 0], [NO_ROUTING] * 2]
+    assert pack_for_replay([None, None], [2, 2]) is None

@@ -1,6 +1,6 @@
-"""The agentic micro-batch scheduler: packing invariants under the padded cost (rows x longest),
-the step contract, and overlap with a simulated rollout (groups finishing at simulated times,
-training time proportional to padded tokens)."""
+"""The agentic micro-batch scheduler: packing invariants under the packed cost (the sum of the
+lengths), the step contract, and overlap with a simulated rollout (groups finishing at
+simulated times, training time proportional to tokens)."""
 import heapq
 import random
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_marsrl.rl.scheduler import (MicroBatch, MicroBatchScheduler, SchedulerConfig, SchedulerError,
-                                          SeqItem, pack)
+                                          SeqItem, micro_batch_tokens, pack)
 
 
 def group(gid, sizes, *, policy="shared", version=0):
@@ -23,9 +23,9 @@ def scheduler(budget=100, *, dp=2, policies=("shared",), overlap=True, max_seque
     return MicroBatchScheduler(config, dp_size=dp, policies=policies)
 
 
-def padded(items):
-    """What the trainer allocates for a micro-batch: every row padded to the longest."""
-    return len(items) * max((i.num_tokens for i in items), default=0)
+def cost(items):
+    """What the trainer computes for a micro-batch: its sequences packed into one row."""
+    return sum(i.num_tokens for i in items)
 
 
 def check_rounds(rounds, sched, *, finish_from):
@@ -37,46 +37,45 @@ def check_rounds(rounds, sched, *, finish_from):
         assert all(mb.policy == r.policy for mb in r.micro_batches)
         assert all(item.policy == r.policy for item in r.items)
         for mb in r.micro_batches:
-            assert padded(mb.items) <= cfg.token_budget or len(mb.items) == 1
-            assert mb.padded_tokens == padded(mb.items) and mb.num_tokens == sum(i.num_tokens for i in mb.items)
+            assert cost(mb.items) <= cfg.token_budget or len(mb.items) == 1
+            assert mb.num_tokens == cost(mb.items)
             assert cfg.max_sequences is None or len(mb.items) <= cfg.max_sequences
             if n < finish_from:
                 assert mb.items, "rounds released during the step never hold empty micro-batches"
         if n < finish_from:
-            costs = [padded(mb.items) for mb in r.micro_batches]
+            costs = [cost(mb.items) for mb in r.micro_batches]
             assert min(costs) >= cfg.round_balance * max(costs)
 
 
 # ---- packing ---------------------------------------------------------------------------
 
 def test_pack_fills_to_budget_and_isolates_oversized_items():
-    # rows pad to the longest: 70 and 60 cannot share a micro-batch with anything (2 x 60 > 100),
-    # 40 and 30 cost 2 x 40 = 80, and a third row would cost 120
+    # best-fit decreasing: 70 is topped up with the longest item that fits (30), 60 with 40
     bins = pack(group("g", [60, 40, 30, 70, 250, 10]), token_budget=100)
-    assert [[i.num_tokens for i in b] for b in bins] == [[250], [70], [60], [40, 30], [10]]
+    assert [[i.num_tokens for i in b] for b in bins] == [[250], [70, 30], [60, 40], [10]]
     bins = pack(group("g", [10] * 7), token_budget=100, max_sequences=3)
     assert [len(b) for b in bins] == [3, 3, 1]
     assert [len(b) for b in pack(group("g", [10] * 23), token_budget=100)] == [10, 10, 3]
 
 
-def test_a_long_sequence_does_not_share_a_micro_batch_with_short_ones():
-    # the issue's case at 1/1000 scale: 60 + 4 x 2 tokens sum to 68, but padded to [5, 60] they
-    # would allocate 300, 4.7x a budget of 64 (the summed rule packed 60 + 2 + 2 together)
+def test_a_long_sequence_shares_a_micro_batch_with_short_ones():
+    # the issue's case at 1/1000 scale: 60 + 4 x 2 tokens packed into one row cost 68 (padded
+    # to [5, 60] rows they allocated 300, so the padded rule kept 60 alone)
     items = group("g", [60, 2, 2, 2, 2])
+    assert [[i.num_tokens for i in b] for b in pack(items, token_budget=68)] == [[60, 2, 2, 2, 2]]
     bins = pack(items, token_budget=64)
-    assert [[i.num_tokens for i in b] for b in bins] == [[60], [2, 2, 2, 2]]
+    assert [[i.num_tokens for i in b] for b in bins] == [[60, 2, 2], [2, 2]]
     s = scheduler(64, dp=2)
     s.begin_step(0, 0)
     s.add_group(items)
     rounds = s.pop_ready() + s.finish_step()
-    assert sorted(mb.padded_tokens for r in rounds for mb in r.micro_batches) == [8, 60]
-    assert {len(mb.items) for r in rounds for mb in r.micro_batches} == {1, 4}
+    assert sorted(mb.num_tokens for r in rounds for mb in r.micro_batches) == [4, 64]
 
 
-def test_micro_batch_cost_is_rows_times_the_longest():
+def test_micro_batch_cost_is_the_sum_of_the_lengths():
     mb = MicroBatch(policy="p", items=group("g", [60, 2, 2]))
-    assert (mb.num_tokens, mb.padded_tokens) == (64, 180)
-    assert MicroBatch(policy="p").padded_tokens == 0
+    assert mb.num_tokens == micro_batch_tokens([60, 2, 2]) == 64
+    assert MicroBatch(policy="p").num_tokens == 0
     # the dry run's bound: the budget, or one sequence longer than it alone
     assert SchedulerConfig(token_budget=100).max_micro_batch_tokens(60) == 100
     assert SchedulerConfig(token_budget=100).max_micro_batch_tokens(250) == 250
@@ -85,14 +84,16 @@ def test_micro_batch_cost_is_rows_times_the_longest():
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(1, 300), max_size=40), budget=st.integers(1, 400),
        max_sequences=st.one_of(st.none(), st.integers(1, 6)))
-def test_pack_respects_the_padded_budget_and_fills_each_micro_batch(sizes, budget, max_sequences):
+def test_pack_respects_the_budget_and_fills_each_micro_batch(sizes, budget, max_sequences):
     bins = pack(group("g", sizes), token_budget=budget, max_sequences=max_sequences)
     assert sorted(i.key for b in bins for i in b) == sorted(i.key for i in group("g", sizes))
     for n, b in enumerate(bins):
-        assert padded(b) <= budget or len(b) == 1
+        assert cost(b) <= budget or len(b) == 1
         assert max_sequences is None or len(b) <= max_sequences
-        if n + 1 < len(bins):  # closed because the next longest item (no longer than b[0]) did not fit
-            assert padded(b) + b[0].num_tokens > budget or len(b) == max_sequences
+        assert [i.num_tokens for i in b] == sorted((i.num_tokens for i in b), reverse=True)
+        later = [i for rest in bins[n + 1:] for i in rest]
+        # closed because no item left (all of them went to later micro-batches) fitted
+        assert len(b) == max_sequences or all(cost(b) + i.num_tokens > budget for i in later)
 
 
 def test_pack_is_deterministic_and_prefers_earlier_items_on_ties():
@@ -161,38 +162,37 @@ def test_rounds_release_once_the_buffer_fills_dp_micro_batches():
     s = scheduler(100, dp=2)
     s.begin_step(0, 0)
     s.add_group(group("a", [50, 30]))
-    assert s.pop_ready() == []            # [50, 30] is full (3 x 50 > 100), but only one
-    s.add_group(group("b", [45]))          # [50, 45] full, [30] still open (could take 2 more rows)
+    assert s.pop_ready() == []            # [50, 30] is full (80 + another 30 > 100), but only one
+    s.add_group(group("b", [45]))          # [50, 45] full, [30] still open (could take 2 more of 30)
     assert s.pop_ready() == []
-    s.add_group(group("c", [25, 25]))      # [50, 45] and [30, 25, 25]: both full, padded 100 and 90
+    s.add_group(group("c", [35, 25]))      # [50, 45] and [35, 30, 25]: both full, 95 and 90 tokens
     (r,) = s.pop_ready()
-    assert sorted((mb.num_tokens, mb.padded_tokens) for mb in r.micro_batches) == [(80, 90), (95, 100)]
-    assert r.max_padded_tokens == 100 and r.num_tokens == 175
+    assert sorted(mb.num_tokens for mb in r.micro_batches) == [90, 95]
+    assert r.max_tokens == 95 and r.num_tokens == 185
     assert s.buffered_tokens == 0 and s.finish_step() == []
     report = s.report()
-    assert (report.items, report.tokens, report.padded_tokens, report.rounds, report.rounds_overlapped) == \
-        (5, 175, 190, 1, 1)
-    assert report.fill_fraction == pytest.approx(190 / 200)
-    assert report.padding_fraction == pytest.approx(1 - 175 / 200)  # row padding and lockstep waiting
+    assert (report.items, report.tokens, report.rounds, report.rounds_overlapped) == (5, 185, 1, 1)
+    assert report.fill_fraction == pytest.approx(185 / 200)
+    assert report.idle_fraction == pytest.approx(1 - 185 / 190)  # the rank with 90 waits for 95
 
 
 def test_early_rounds_pair_micro_batches_of_similar_cost():
     s = scheduler(100, dp=2)
     s.begin_step(0, 0)
     s.add_group(group("a", [60]))
-    s.add_group(group("b", [40, 40]))     # [60] and [40, 40] are full, but a round of them would
-    assert s.pop_ready() == []             # keep the rank with 60 waiting for the one with 80
+    s.add_group(group("b", [50, 50]))     # [60] and [50, 50] are full, but a round of them would
+    assert s.pop_ready() == []             # keep the rank with 60 waiting for the one with 100
     s.add_group(group("c", [55]))          # [60] and [55] cost within 10% of each other
     (r,) = s.pop_ready()
-    assert sorted(mb.padded_tokens for mb in r.micro_batches) == [55, 60]
-    (last,) = s.finish_step()              # [40, 40] spread over both ranks at the end
-    assert sorted(mb.num_tokens for mb in last.micro_batches) == [40, 40]
+    assert sorted(mb.num_tokens for mb in r.micro_batches) == [55, 60]
+    (last,) = s.finish_step()              # [50, 50] spread over both ranks at the end
+    assert sorted(mb.num_tokens for mb in last.micro_batches) == [50, 50]
     eager = scheduler(100, dp=2, round_balance=0.0)
     eager.begin_step(0, 0)
     eager.add_group(group("a", [60]))
-    eager.add_group(group("b", [40, 40]))
+    eager.add_group(group("b", [50, 50]))
     (r,) = eager.pop_ready()
-    assert sorted(mb.padded_tokens for mb in r.micro_batches) == [60, 80]
+    assert sorted(mb.num_tokens for mb in r.micro_batches) == [60, 100]
 
 
 def test_without_overlap_nothing_is_released_before_finish():
@@ -264,15 +264,15 @@ def test_every_item_is_released_exactly_once(groups, budget, dp, overlap, max_se
     assert overlap or during == 0
     report = s.report()
     assert report.items == len(added) and report.rounds == len(rounds) and report.rounds_overlapped == during
-    assert report.tokens <= report.padded_tokens
-    assert 0 <= report.padding_fraction < 1 and 0 <= report.fill_fraction <= 1
+    assert report.tokens == sum(cost(r.items) for r in rounds)
+    assert 0 <= report.idle_fraction < 1 and 0 <= report.fill_fraction <= 1
 
 
 # ---- overlap with a simulated rollout ----------------------------------------------------
 
 def simulate_step(*, overlap, seed=0, groups=40, group_size=8, dp=4, tokens_per_s=2000.0):
     """Groups finish at random (long-tailed) times; each round takes its largest micro-batch's
-    padded tokens / tokens_per_s on the lockstep ranks, which train one round at a time, FIFO."""
+    tokens / tokens_per_s on the lockstep ranks, which train one round at a time, FIFO."""
     rng = random.Random(seed)
     arrivals = []
     for g in range(groups):
@@ -287,7 +287,7 @@ def simulate_step(*, overlap, seed=0, groups=40, group_size=8, dp=4, tokens_per_
         for r in rounds:
             start = max(trainer_free, now)
             first_start = start if first_start is None else first_start
-            trainer_free = start + r.max_padded_tokens / tokens_per_s
+            trainer_free = start + r.max_tokens / tokens_per_s
             trained.extend(i.key for i in r.items)
 
     while arrivals:
