@@ -142,7 +142,7 @@ def test_sglang_server_killed_mid_generation(tiny_hf, tmp_path):
         # start() returned, so both were ready; two servers on two cores answer slowly
         assert all(s.alive() for s in servers), [s.log_tail() for s in servers]
         assert all(s.url.startswith("http://127.0.0.1:") for s in servers)
-        pool = EnginePool(servers, max_concurrency=8, request_timeout=120)
+        pool = EnginePool(servers, max_concurrency=8)
 
         async def scenario():
             task = asyncio.create_task(pool.generate_many(_reqs(8, max_new=1500)))
