@@ -74,12 +74,13 @@ def _median_seconds(fn, repeats: int) -> float:
 def run(args) -> int:
     from megatron_marsrl.commands._common import guarded
 
-    return guarded(lambda: _bench(args))
+    if args.workdir:
+        return guarded(lambda: _bench(args, Path(args.workdir)))
+    with tempfile.TemporaryDirectory(prefix="marsrl-bench-convert-") as tmp:  # removed on any exit
+        return guarded(lambda: _bench(args, Path(tmp)))
 
 
-def _bench(args) -> int:
-    import shutil
-
+def _bench(args, work: Path) -> int:
     from safetensors import safe_open
 
     from megatron_marsrl.megatron import dist_checkpoint
@@ -88,7 +89,6 @@ def _bench(args) -> int:
     from megatron_marsrl.megatron.model import build_model
     from megatron_marsrl.megatron.parallel import ParallelConfig, init_parallel
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="marsrl-bench-convert-"))
     hf_dir = work / "hf"
     config = synthetic_config(args.size_mb)
     nbytes = write_synthetic_checkpoint(hf_dir, config)
@@ -125,6 +125,4 @@ def _bench(args) -> int:
         print(f"{name:<8}{row['seconds']:>10.3f}{row['gb_per_s']:>10.3f}{row['ratio_to_raw']:>10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -32,17 +32,18 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from megatron_marsrl.commands._common import guarded
 
-    return guarded(lambda: _bench(args))
+    with tempfile.TemporaryDirectory(prefix="marsrl-bench-") as tmp:  # the generated model goes with it
+        return guarded(lambda: _bench(args, Path(tmp)))
 
 
-def _bench(args) -> int:
+def _bench(args, workdir: Path) -> int:
     import torch
 
     from megatron_marsrl.megatron.tiny import make_hf_checkpoint
     from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
     from megatron_marsrl.rollout.factory import RolloutEngineConfig, start_engines
 
-    model = args.model or str(make_hf_checkpoint(args.family, Path(tempfile.mkdtemp(prefix="marsrl-bench-")) / "hf"))
+    model = args.model or str(make_hf_checkpoint(args.family, workdir / "hf"))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     requests = [EngineRequest(rid=str(i), prompt_ids=torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(),

@@ -25,10 +25,11 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from megatron_marsrl.commands._common import guarded
 
-    return guarded(lambda: _bench(args))
+    with tempfile.TemporaryDirectory(prefix="marsrl-bench-sync-") as tmp:  # the generated model goes with it
+        return guarded(lambda: _bench(args, Path(tmp)))
 
 
-def _bench(args) -> int:
+def _bench(args, workdir: Path) -> int:
     import torch
 
     from megatron_marsrl.commands.bench_convert import _median_seconds, synthetic_config, write_synthetic_checkpoint
@@ -38,7 +39,7 @@ def _bench(args) -> int:
     from megatron_marsrl.rollout.factory import make_engine
     from megatron_marsrl.rollout.weight_sync import sync_weights
 
-    hf_dir = Path(tempfile.mkdtemp(prefix="marsrl-bench-sync-")) / "hf"
+    hf_dir = workdir / "hf"
     config = synthetic_config(args.size_mb)
     write_synthetic_checkpoint(hf_dir, config)
     engine = make_engine(args.engine, str(hf_dir))  # before Megatron's CPU patches touch torch

@@ -16,12 +16,19 @@ TOLERANCE = 1e-4
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="outputs/selfcheck", help="working directory (default: outputs/selfcheck)")
+    parser.add_argument("--out", default="outputs/selfcheck",
+                        help="working directory: new, empty or an earlier self-check's (default: outputs/selfcheck)")
     parser.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "qwen3", "llama"),
                         help="tiny model family to check (default qwen3_moe)")
 
 
 def run(args) -> int:
+    from megatron_marsrl.commands._common import guarded
+
+    return guarded(lambda: _check(args))
+
+
+def _check(args) -> int:
     import torch
     from safetensors.torch import load_file
 
@@ -29,8 +36,11 @@ def run(args) -> int:
     from megatron_marsrl.megatron.launch import launch
     from megatron_marsrl.megatron.parallel import ParallelConfig
     from megatron_marsrl.megatron.tiny import make_hf_checkpoint
+    from megatron_marsrl.outputs import prepare_dir
 
-    out = Path(args.out).resolve()
+    # --out must be new, empty or an earlier self-check's (marked) directory; force=True below
+    # then replaces only the outputs an earlier self-check wrote there.
+    out = prepare_dir(Path(args.out).resolve(), kind="selfcheck")
     moe = args.family == "qwen3_moe"
     start = time.perf_counter()
     hf = make_hf_checkpoint(args.family, out / "hf", seed=0)

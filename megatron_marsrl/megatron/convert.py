@@ -3,7 +3,8 @@
 The parent process validates everything it can cheaply (files, config, tensor names and
 shapes, layout) so bad input fails in a second with a clear message; the conversion itself runs
 on as many local ranks as the layout needs (``launch``), each rank reading only its slices.
-Outputs are written to a temporary sibling and renamed into place at the very end.
+Outputs are written to a temporary sibling and renamed into place at the very end; an existing
+output is replaced only with ``force`` and only if marsrl wrote it (``megatron_marsrl.outputs``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from megatron_marsrl.megatron import dist_checkpoint
 from megatron_marsrl.megatron.hf_checkpoint import TOKENIZER_FILES, HFCheckpointReader
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.parallel import ParallelConfig
+from megatron_marsrl.outputs import check_replaceable
 
 FORMAT = "marsrl-mcore-v1"
 
@@ -33,11 +35,6 @@ def min_world_size(parallel: ParallelConfig) -> int:
     return parallel.tp * parallel.pp * dp
 
 
-def _check_output(path: Path, force: bool) -> None:
-    if path.exists() and any(path.iterdir()) and not force:
-        raise FileExistsError(f"output {path} exists and is not empty; choose another path or pass --force")
-
-
 def _log(msg: str) -> None:
     print(f"[marsrl convert] {msg}", flush=True)
 
@@ -45,7 +42,7 @@ def _log(msg: str) -> None:
 def hf_to_mcore(input_dir: str | Path, output_dir: str | Path, parallel: ParallelConfig, *,
                 force: bool = False) -> dict:
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    _check_output(output_dir, force)
+    check_replaceable(output_dir, force=force)  # --force replaces only our own outputs
     arch = ModelArch.from_hf_dir(input_dir)
     reader = HFCheckpointReader(input_dir)
     reader.check_against(arch)
@@ -66,7 +63,7 @@ def hf_to_mcore(input_dir: str | Path, output_dir: str | Path, parallel: Paralle
 def mcore_to_hf(input_dir: str | Path, output_dir: str | Path, parallel: ParallelConfig | None = None, *,
                 force: bool = False) -> dict:
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    _check_output(output_dir, force)
+    check_replaceable(output_dir, force=force)  # --force replaces only our own outputs
     meta = dist_checkpoint.read_meta(input_dir)
     if meta.get("format") != FORMAT or "hf_config" not in meta:
         raise ValueError(f"{input_dir} was not written by marsrl (format {meta.get('format')!r}, want {FORMAT})")

@@ -20,12 +20,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_marsrl.outputs import replace
+
 META_FILE = "marsrl_checkpoint.json"
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointNotFoundError(FileNotFoundError):
     """The directory is missing or is not a complete marsrl checkpoint."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's keys differ from the model's (a missing key is never skipped silently)."""
 
 
 def is_complete(path: str | Path) -> bool:
@@ -85,15 +91,14 @@ def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict,
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, tmp / name)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+        replace(tmp, path, kind="mcore")  # never deletes a directory marsrl did not write
     _barrier()
 
 
 def load_checkpoint(path: str | Path, model, *, optimizer=None) -> dict:
     """Collective load into ``model`` (and ``optimizer``) of any layout; returns the meta."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     meta = read_meta(path)
     if optimizer is not None:
@@ -108,13 +113,38 @@ def load_checkpoint(path: str | Path, model, *, optimizer=None) -> dict:
                 "when EP>1). Load the model only, or resume with a layout of the same kind.")
         _materialise_adam_state(optimizer)
     state = _sharded_state(model, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(Path(path) / "dist"))
-    _unwrap(model).load_state_dict(loaded["model"], strict=False)
+    # RETURN_ALL: Megatron names what this model asks for that the checkpoint lacks ("unexpected",
+    # per rank) and what the checkpoint holds that no rank asked for ("missing", all ranks).
+    loaded, extra, absent = dist_checkpointing.load(state, str(Path(path) / "dist"), strict=StrictHandling.RETURN_ALL)
+    # strict=False only because torch would demand "_extra_state" entries (TE-style modules)
+    # that Megatron stores apart; every real parameter or buffer is checked right below.
+    result = _unwrap(model).load_state_dict(loaded["model"], strict=False)
+    _raise_on_mismatch(path, absent=[*absent, *result.missing_keys],
+                       extra=[*result.unexpected_keys, *(k for k in extra if optimizer is not None
+                                                         or not k.startswith("optimizer."))])
     if optimizer is not None:
         if "optimizer" not in loaded:
             raise CheckpointNotFoundError(f"{path} holds no optimizer state; load without an optimizer")
         optimizer.load_state_dict(loaded["optimizer"])
     return meta
+
+
+def _raise_on_mismatch(path, *, absent: list[str], extra: list[str]) -> None:
+    """Every rank raises the same error when any rank found a key the model needs missing from
+    the checkpoint, or model keys in the checkpoint this model does not have (another model?)."""
+    mine = [sorted(set(absent)), sorted(set(extra))]
+    every = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    absent = sorted({k for a, _ in every for k in a})
+    extra = sorted({k for _, e in every for k in e})
+    if absent or extra:
+        raise CheckpointMismatchError(
+            f"{path} does not match this model: " + "; ".join(
+                part for part in (f"missing from the checkpoint: {', '.join(absent[:20])}" if absent else "",
+                                  f"in the checkpoint but not in this model: {', '.join(extra[:20])}" if extra else "")
+                if part) + " (saved from another model or configuration?)")
 
 
 def _materialise_adam_state(optimizer) -> None:

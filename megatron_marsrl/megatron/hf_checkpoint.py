@@ -295,6 +295,6 @@ def _finish_hf_dir(tmp: Path, out_dir: Path, files, weight_map, hf_config, token
             src = Path(tokenizer_dir) / name
             if src.is_file():
                 shutil.copy2(src, tmp / name)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
+    from megatron_marsrl.outputs import replace
+
+    replace(tmp, out_dir, kind="hf")  # never deletes a directory marsrl did not write

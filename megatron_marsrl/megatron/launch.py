@@ -34,30 +34,31 @@ def _free_port() -> int:
 
 def launch(target: str, world_size: int, kwargs: dict | None = None, *, timeout: float = 900,
            stream_rank0: bool = False, env: dict | None = None) -> list:
-    workdir = Path(tempfile.mkdtemp(prefix="marsrl-launch-"))
-    (workdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(world_size):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        log = open(workdir / f"rank{rank}.log", "w+")
-        out = None if (stream_rank0 and rank == 0) else log
-        procs.append(subprocess.Popen([sys.executable, "-m", __name__, target, str(workdir)],
-                                      env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None))
-        logs.append(log)
-    deadline = time.monotonic() + timeout
-    try:
-        _wait_all(procs, logs, deadline)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world_size)]
+    # The kwargs, rank logs and results live in a temporary directory removed on every exit.
+    with tempfile.TemporaryDirectory(prefix="marsrl-launch-", ignore_cleanup_errors=True) as tmp:
+        workdir = Path(tmp)
+        (workdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
+        port = _free_port()
+        procs, logs = [], []
+        try:
+            for rank in range(world_size):
+                rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                log = open(workdir / f"rank{rank}.log", "w+")
+                logs.append(log)
+                out = None if (stream_rank0 and rank == 0) else log
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, target, str(workdir)], env=rank_env,
+                                              stdout=out, stderr=subprocess.STDOUT if out else None))
+            _wait_all(procs, logs, time.monotonic() + timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
+        return [json.loads((workdir / f"result{r}.json").read_text()) for r in range(world_size)]
 
 
 def _wait_all(procs, logs, deadline) -> None:

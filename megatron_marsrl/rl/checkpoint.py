@@ -4,7 +4,11 @@ Layout under the run directory:
 
     checkpoints/step_000010/policy_shared/    Megatron torch_dist (model + optimizer), any layout
     checkpoints/step_000010/trainer_state.json  step, data position, in-flight stage inputs, ...
-    checkpoints/step_000010/rng.pt            rank 0's Python / NumPy / torch RNG states
+    checkpoints/step_000010/rng.safetensors   rank 0's Python / NumPy / torch (CUDA) RNG states
+
+Nothing here is unpickled: RNG states are tensors plus JSON in a safetensors file, and the
+rng.pt of older checkpoints is read with ``weights_only=True`` (NumPy arrays allowed, nothing
+else), so a tampered run directory cannot run code on resume.
 
 A checkpoint is written into a hidden ".step_N.partial" directory and renamed when complete,
 so a run killed at any moment (SIGKILL included) never leaves a half-written checkpoint that
@@ -24,6 +28,8 @@ import torch
 from megatron_marsrl.megatron.dist_checkpoint import _barrier, _rank
 
 STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+LEGACY_RNG_FILE = "rng.pt"
 PREFIX = "step_"
 
 
@@ -56,8 +62,7 @@ def save(run_dir: str | Path, step: int, actors: dict, state: dict, *, keep: int
     for name, actor in actors.items():
         actor.save(tmp / f"policy_{name}", {"step": step})
     if _rank() == 0:
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state()}, tmp / "rng.pt")
+        save_rng(tmp / RNG_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
         if final.exists():  # same step saved again (a redo save): never be without one complete copy
             old = root / f".{final.name}.old"
@@ -84,9 +89,61 @@ def load(path: str | Path, actors: dict) -> dict:
                          f"{sorted(p.name[7:] for p in path.glob('policy_*'))} (policy.sharing changed?)")
     for name, actor in actors.items():
         actor.load(path / f"policy_{name}")
-    if _rank() == 0 and (path / "rng.pt").is_file():
-        rng = torch.load(path / "rng.pt", weights_only=False)
+    if _rank() == 0:
+        load_rng(path)
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def save_rng(file: Path) -> None:
+    """Rank 0's RNG states as tensors (+ the few scalars as JSON metadata): no pickle."""
+    from safetensors.torch import save_file
+
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"python": torch.tensor(mt, dtype=torch.int64), "numpy": torch.from_numpy(keys.astype(np.int64)),
+               "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    scalars = {"python": [version, gauss], "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
+    save_file(tensors, str(file), metadata={"scalars": json.dumps(scalars)})
+
+
+def load_rng(path: Path) -> None:
+    """Restore the RNG states saved with a checkpoint (nothing when it has none)."""
+    if (path / RNG_FILE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path / RNG_FILE), framework="pt") as f:
+            scalars = json.loads(f.metadata()["scalars"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        random.setstate((scalars["python"][0], tuple(tensors["python"].tolist()), scalars["python"][1]))
+        kind, pos, has_gauss, cached = scalars["numpy"]
+        np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(tensors["torch"])
+        cuda = [tensors[f"cuda_{i}"] for i in range(sum(k.startswith("cuda_") for k in tensors))]
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    elif (path / LEGACY_RNG_FILE).is_file():
+        rng = _load_legacy_rng(path / LEGACY_RNG_FILE)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
-    return json.loads((path / STATE_FILE).read_text())
+
+
+def _load_legacy_rng(file: Path) -> dict:
+    """rng.pt of checkpoints saved before rng.safetensors: a pickle of tuples, NumPy arrays and
+    a tensor, read with weights_only=True and only NumPy's array reconstruction allowed."""
+    import pickle
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import _reconstruct
+    allowed = [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+               type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{file}: cannot be read safely (it holds more than RNG states: {exc}). Delete it to "
+                         "resume without restoring the RNG state, or resume from another checkpoint") from exc

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from megatron_marsrl.rollout.engine import GenerationTimeout
@@ -28,7 +29,10 @@ class RolloutEngineConfig:
     """First GPU used by the engines on this node."""
     gpus_per_node: int = 8
     host: str = "127.0.0.1"
-    """Bind address of SGLang servers: loopback unless other nodes must reach them."""
+    """Bind address of SGLang servers: loopback unless other nodes must reach them. Any other
+    address needs an API key in the environment variable MARSRL_SGLANG_API_KEY (never in the
+    config, which is saved with the run): the servers get it as ``--api-key`` and every request
+    sends it. Set on loopback, the key is used too."""
     max_total_tokens: int = 16384
     """KV-cache capacity per engine, in tokens."""
     mem_fraction_static: float | None = None
@@ -63,9 +67,20 @@ class RolloutEngineConfig:
         if self.max_inflight_per_engine < 1 or self.max_batch_tokens < 1:
             raise ValueError(f"max_inflight_per_engine={self.max_inflight_per_engine}, max_batch_tokens="
                              f"{self.max_batch_tokens}: both must be >= 1")
+        if self.kind == "sglang_server":
+            _check_host(self.host)
         if self.kind != "hf" and self.base_gpu_id + self.num_engines * self.tp_size > self.gpus_per_node:
             raise ValueError(f"{self.num_engines} engines x tp {self.tp_size} from GPU {self.base_gpu_id} need more "
                              f"than the {self.gpus_per_node} GPUs of a node")
+
+
+def _check_host(host: str) -> None:
+    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, is_loopback
+
+    if not is_loopback(host) and not os.environ.get(API_KEY_ENV):
+        raise ValueError(f"engine.host={host!r} lets other machines reach the SGLang servers, whose weight updates "
+                         f"are pickled tensors: set the environment variable {API_KEY_ENV} to a secret key "
+                         "(passed to SGLang as --api-key and sent with every request), or use engine.host=127.0.0.1")
 
 
 def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed: int = 0,
@@ -109,11 +124,11 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
                             tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size,
                             mem_fraction_static=cfg.mem_fraction_static, quantization=cfg.quantization,
                             enable_return_routed_experts=cfg.routed_experts, deterministic=cfg.deterministic)
-    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServer, SGLangServerConfig
 
     return SGLangServer(SGLangServerConfig(
-        model_path=model_dir, host=cfg.host, max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size,
-        ep_size=cfg.ep_size, dp_size=cfg.dp_size,
+        model_path=model_dir, host=cfg.host, api_key=os.environ.get(API_KEY_ENV) or None,
+        max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size, ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
         startup_timeout=cfg.startup_timeout, generation_timeout=cfg.generation_timeout,
         max_inflight=cfg.max_inflight_per_engine, deterministic=cfg.deterministic,

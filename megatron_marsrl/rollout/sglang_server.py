@@ -5,11 +5,16 @@ Each server is one `python -m sglang.launch_server` process group bound to 127.0
 configured otherwise), logging to a file whose tail goes into every start-up error. The
 server dies with the trainer: it gets SIGTERM when its parent exits (PR_SET_PDEATHSIG) and
 an atexit hook stops every server this process started.
+
+Weight updates travel as pickled tensors: whoever can reach the port can run code in the
+server. A server bound to anything but loopback therefore needs an API key (SGLang's
+``--api-key``), which every request of ours carries as ``Authorization: Bearer <key>``.
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -41,7 +46,10 @@ class SGLangServerConfig:
     model_path: str
     """Local HF checkpoint directory."""
     host: str = "127.0.0.1"
-    """Bind address: loopback unless the engines must be reached from other nodes."""
+    """Bind address: loopback unless the engines must be reached from other nodes (then
+    ``api_key`` is required)."""
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Passed to SGLang as ``--api-key`` and sent with every request; required off loopback."""
     port: int = 0
     """0 picks a free port."""
     max_total_tokens: int = 16384
@@ -81,6 +89,22 @@ class SGLangServerConfig:
             raise ValueError(f"max_total_tokens={self.max_total_tokens}: too small")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(f"host={self.host!r} exposes the server beyond this machine and weight updates are "
+                             f"pickled: give an api_key (the trainer reads ${API_KEY_ENV}) or bind 127.0.0.1")
+
+
+API_KEY_ENV = "MARSRL_SGLANG_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Only connections from this machine can reach ``host`` (a name other than localhost counts as open)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _free_port(host: str) -> int:
@@ -171,6 +195,8 @@ class SGLangServer:
             cmd += ["--enable-return-routed-experts"]
         if cfg.deterministic:
             cmd += ["--enable-deterministic-inference"]
+        if cfg.api_key:  # visible in this machine's process list; keeps other machines out
+            cmd += ["--api-key", cfg.api_key]
         for key, value in sglang_args(cfg.quantization).items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +224,8 @@ class SGLangServer:
         """True when the server answers a tiny generation (/health_generate) within
         ``timeout``; generous by default because a loaded CPU machine answers slowly."""
         try:
-            with urllib.request.urlopen(f"{self.url}/health_generate", timeout=timeout) as resp:
+            req = urllib.request.Request(f"{self.url}/health_generate", headers=self._headers())
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, TimeoutError):
             return False
@@ -238,9 +265,14 @@ class SGLangServer:
         return self.start()
 
     # ---- requests -----------------------------------------------------------------------
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
     def _post(self, path: str, payload: dict, timeout: float) -> dict:
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(payload).encode(), headers=self._headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()
@@ -327,7 +359,7 @@ class SGLangServer:
                 applied += len(bucket)
         finally:
             self._ok(self._post("/end_weight_update", {}, 60), "end_weight_update")
-            urllib.request.urlopen(f"{self.url}/flush_cache", timeout=60).read()
+            self._post("/flush_cache", {}, 60)
             self._post("/continue_generation", {}, 60)
         self.weight_version = version
         return applied
