@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -121,12 +122,17 @@ def load_checkpoint(path: str | Path, model, *, optimizer=None) -> dict:
     result = _unwrap(model).load_state_dict(loaded["model"], strict=False)
     _raise_on_mismatch(path, absent=[*absent, *result.missing_keys],
                        extra=[*result.unexpected_keys, *(k for k in extra if optimizer is not None
-                                                         or not k.startswith("optimizer."))])
+                                                         or not _OPTIMIZER_KEY.match(k))])
     if optimizer is not None:
         if "optimizer" not in loaded:
             raise CheckpointNotFoundError(f"{path} holds no optimizer state; load without an optimizer")
         optimizer.load_state_dict(loaded["optimizer"])
     return meta
+
+
+# Optimizer state in a checkpoint: "optimizer." or, with one optimizer per parameter kind (MoE
+# experts under EP), "chained_<i>.optimizer.". A model-only load leaves these unread.
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 
 def _raise_on_mismatch(path, *, absent: list[str], extra: list[str]) -> None:
