@@ -355,7 +355,7 @@ class Trainer:
 
     def sync_weights(self, version: int, probe: dict | None = None) -> dict:
         """Megatron -> engines for every policy; with the probe check after each."""
-        from megatron_marsrl.rollout.weight_sync import sync_and_verify, sync_weights
+        from megatron_marsrl.megatron.weight_sync import sync_and_verify, sync_weights
 
         out, start = {}, time.perf_counter()
         for name, actor in self.actors.items():
