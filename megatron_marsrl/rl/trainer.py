@@ -28,6 +28,7 @@ from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.parallel import init_parallel
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
+from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound
 from megatron_marsrl.rl.rollout_metrics import role_metrics
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
 
@@ -131,6 +132,10 @@ class Trainer:
         dist.broadcast_object_list(holder, src=0, group=self.control)
         return holder[0]
 
+    def _tell(self, msg: StepMessage) -> None:
+        """Rank 0: send a step's message to the other ranks (messages.py)."""
+        self._broadcast(msg)
+
     # ---- rollouts + training of one step ------------------------------------------------
     def start_rollouts(self, step: int) -> None:
         if self.rollout is not None:
@@ -144,11 +149,21 @@ class Trainer:
             samples, timing = self._lead_step(step, acc)
         else:
             samples, timing = [], {}
-            while (msg := self._broadcast())[0] == "round":
-                self._run_round(msg[1], msg[2], acc)
-            if msg[0] == "abort":
-                raise StepAborted(f"rank 0 stopped step {step}: {msg[1]}", by_signal=msg[2])
+            self._follow_step(step, acc)
         return samples, {**self._reduce(acc), **timing}
+
+    def _follow_step(self, step: int, acc: "_MetricSums") -> None:
+        """Ranks other than 0: train the rounds rank 0 sends until the step ends or aborts."""
+        while True:
+            match self._broadcast():
+                case TrainRound(policy=policy, micro_batches=payload):
+                    self._run_round(policy, payload, acc)
+                case StepEnd():
+                    return
+                case StepAbort(reason=reason, by_signal=by_signal):
+                    raise StepAborted(f"rank 0 stopped step {step}: {reason}", by_signal=by_signal)
+                case msg:
+                    raise TypeError(f"rank {self.rank}: unexpected control message {msg!r} in step {step}")
 
     def _lead_step(self, step: int, acc: "_MetricSums") -> tuple[list[Sample], dict]:
         cfg = self.config
@@ -169,7 +184,7 @@ class Trainer:
             # collectives with us, so the process must end and torchrun tear the job down.
             self._train_rounds(sched.pop_ready(), seqs, acc, t)
         self._train_rounds(sched.finish_step(), seqs, acc, t)
-        self._broadcast(("end",))
+        self._tell(StepEnd())
         finished = self.rollout.driver.finished_at
         during = sum(max(0.0, min(end, finished) - begin) for begin, end in t["rounds"])
         return samples, {"time/rollout": finished - start, "time/train": t["train"], "time/train_idle": t["idle"],
@@ -184,7 +199,7 @@ class Trainer:
             return fn()
         except Exception as exc:
             by_signal = isinstance(exc, _Interrupted)
-            self._broadcast(("abort", f"{type(exc).__name__}: {exc}", by_signal))
+            self._tell(StepAbort(reason=f"{type(exc).__name__}: {exc}", by_signal=by_signal))
             self.rollout.abort()
             raise StepAborted(f"step {step} stopped: {type(exc).__name__}: {exc}", by_signal=by_signal) from exc
 
@@ -226,7 +241,7 @@ class Trainer:
     def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> None:
         for rnd in rounds:
             payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
-            self._broadcast(("round", rnd.policy, payload))
+            self._tell(TrainRound(policy=rnd.policy, micro_batches=payload))
             begin = time.perf_counter()
             self._run_round(rnd.policy, payload, acc)
             t["rounds"].append((begin, time.perf_counter()))
