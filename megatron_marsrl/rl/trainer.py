@@ -9,11 +9,9 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_marsrl.algorithms.advantages import batch_from_samples, compute_advantages
-from megatron_marsrl.algorithms.losses import PolicyLossInputs, k3_kl, policy_loss
+from megatron_marsrl.algorithms.losses import PolicyLossInputs, policy_loss
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
@@ -29,8 +27,8 @@ from megatron_marsrl.megatron.parallel import init_parallel
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
 from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound
-from megatron_marsrl.rl.rollout_metrics import role_metrics
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
+from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +142,7 @@ class Trainer:
     def train_while_generating(self, step: int) -> tuple[list[Sample], dict]:
         """Train each unit of groups as soon as the scheduler packs it, while the rest is still
         being generated. Returns the step's samples (rank 0; [] elsewhere) and train metrics."""
-        acc = _MetricSums()
+        acc = MetricSums()
         if self.rank == 0:
             samples, timing = self._lead_step(step, acc)
         else:
@@ -152,7 +150,7 @@ class Trainer:
             self._follow_step(step, acc)
         return samples, {**self._reduce(acc), **timing}
 
-    def _follow_step(self, step: int, acc: "_MetricSums") -> None:
+    def _follow_step(self, step: int, acc: MetricSums) -> None:
         """Ranks other than 0: train the rounds rank 0 sends until the step ends or aborts."""
         while True:
             match self._broadcast():
@@ -165,7 +163,7 @@ class Trainer:
                 case msg:
                     raise TypeError(f"rank {self.rank}: unexpected control message {msg!r} in step {step}")
 
-    def _lead_step(self, step: int, acc: "_MetricSums") -> tuple[list[Sample], dict]:
+    def _lead_step(self, step: int, acc: MetricSums) -> tuple[list[Sample], dict]:
         cfg = self.config
         sched = MicroBatchScheduler(cfg.scheduler, dp_size=_dp_size(), policies=cfg.policy_names())
         sched.begin_step(step, version=step)
@@ -237,7 +235,7 @@ class Trainer:
                 out.append(items)
         return out
 
-    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> None:
+    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: MetricSums, t: dict) -> None:
         for rnd in rounds:
             payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
             self._tell(TrainRound(policy=rnd.policy, micro_batches=payload))
@@ -246,7 +244,7 @@ class Trainer:
             t["rounds"].append((begin, time.perf_counter()))
             t["train"] += t["rounds"][-1][1] - begin
 
-    def _run_round(self, policy: str, payload: list, acc: "_MetricSums") -> None:
+    def _run_round(self, policy: str, payload: list, acc: MetricSums) -> None:
         from megatron.core import parallel_state as ps
 
         mine = payload[ps.get_data_parallel_rank()]
@@ -265,7 +263,8 @@ class Trainer:
         # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)
         acc.add_units(policy, metrics.pop("aggregation_units"), metrics.pop("loss"))
         if real:
-            acc.add({**metrics, "routing_replayed": float("routed_experts" in batch)})
+            metrics["routing_replayed"] = float("routed_experts" in batch)
+            acc.add(weigh(metrics, batch["response_mask"], batch["role_index"]))
 
     def _loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor | None, batch: dict):
         cfg = self.config.loss
@@ -277,31 +276,25 @@ class Trainer:
             ref_logprobs=batch["ref_logprobs"].to(logp.device) if "ref_logprobs" in batch else None,
             rollout_logprobs=rollout if cfg.tis is not None else None)
         loss, metrics = policy_loss(inputs, cfg, normalizer=1.0)
-        metrics = {**metrics, **_mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
+        metrics = {**metrics, **mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
         return loss, metrics
 
-    def _reduce(self, acc: "_MetricSums") -> dict:
-        """Weighted means of the train metrics over micro-batches and data-parallel ranks."""
+    def _reduce(self, acc: MetricSums) -> dict:
+        """The step's train metrics (weighted means over micro-batches and data-parallel ranks)
+        and each policy's step objective; keeps the step's loss units for `optimizer_step`."""
         from megatron.core import parallel_state as ps
 
         parts = [None] * _dp_size()
-        dist.all_gather_object(parts, (dict(acc.sums), dict(acc.weights), dict(acc.units)),
-                               group=ps.get_data_parallel_group())
-        sums, weights, self._units = defaultdict(float), defaultdict(float), defaultdict(float)
-        for s, w, u in parts:
-            for k, v in s.items():
-                sums[k] += v
-            for k, v in w.items():
-                weights[k] += v
-            for k, v in u.items():
-                self._units[k] += v
-        out = {f"train/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0 and k != "nonfinite"}
-        out["train/nonfinite_metrics"] = sums.get("nonfinite", 0.0)
-        losses = {p: self._units[f"{p}:loss"] / self._units[p] for p in self.actors if self._units.get(p)}
-        for policy, loss in losses.items():  # the step objective each optimizer step minimised
-            out[f"{policy}/loss"] = loss
-        if losses:
-            out["train/loss"] = sum(self._units[f"{p}:loss"] for p in losses) / sum(self._units[p] for p in losses)
+        dist.all_gather_object(parts, acc, group=ps.get_data_parallel_group())
+        total = MetricSums.merged(parts)
+        self._units = dict(total.units)
+        out = {f"train/{k}": v for k, v in total.means().items()}
+        out["train/nonfinite_metrics"] = total.nonfinite
+        trained = [p for p in self.actors if total.units.get(p)]
+        for policy in trained:  # the step objective each optimizer step minimised
+            out[f"{policy}/loss"] = total.losses[policy] / total.units[policy]
+        if trained:
+            out["train/loss"] = sum(total.losses[p] for p in trained) / sum(total.units[p] for p in trained)
         return out
 
     # ---- metrics, evaluation ---------------------------------------------------------------
@@ -467,28 +460,6 @@ class _NullObserver:
         pass
 
 
-class _MetricSums:
-    """Weighted sums of per-micro-batch metrics (weight: the micro-batch's sequences)."""
-
-    def __init__(self):
-        self.sums, self.weights, self.units = defaultdict(float), defaultdict(float), defaultdict(float)
-
-    def add(self, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            if k.endswith("_count"):
-                continue
-            if not math.isfinite(v):  # counted, not averaged in (a NaN must not hide)
-                self.sums["nonfinite"] += 1.0
-                continue
-            w = metrics.get(f"{k.split('/')[0]}/_count", 1.0) if "/" in k else metrics.get("_count", 1.0)
-            self.sums[k] += v * w
-            self.weights[k] += w
-
-    def add_units(self, policy: str, units: float, loss: float) -> None:
-        self.units[policy] += units
-        self.units[f"{policy}:loss"] += loss
-
-
 def _dp_size() -> int:
     from megatron.core import parallel_state as ps
 
@@ -511,26 +482,3 @@ def _sequence(sample: Sample, version: int, mask_old: bool) -> Sequence:
                     advantage=sample.advantage, reward=float(sample.reward or 0.0), trained_from=trained_from,
                     rollout_logprobs=list(sample.rollout_logprobs) if sample.rollout_logprobs else None,
                     routed_experts=sample.metadata.get("routed_experts"))
-
-
-def _mismatch_metrics(logp, rollout, mask, role_index, entropy) -> dict[str, torch.Tensor]:
-    """Train/rollout log-prob mismatch (|diff| and k3 KL) and entropy, overall and per role.
-    `_count` entries are the sequence counts the step-level means are weighted by."""
-    out: dict[str, torch.Tensor] = {"_count": torch.tensor(float(mask.any(-1).sum()))}
-
-    def add(prefix: str, rows: torch.Tensor) -> None:
-        m = mask & rows[:, None].to(mask.device)
-        n = m.sum().clamp(min=1)
-        diff = torch.where(m, logp - rollout, torch.zeros_like(logp))
-        out[f"{prefix}mismatch_abs"] = diff.abs().sum() / n
-        out[f"{prefix}mismatch_k3"] = torch.where(m, k3_kl(rollout, logp), torch.zeros_like(logp)).sum() / n
-        if entropy is not None:
-            out[f"{prefix}entropy"] = torch.where(m, entropy.detach(), torch.zeros_like(logp)).sum() / n
-
-    add("", torch.ones_like(role_index, dtype=torch.bool))
-    for i, role in enumerate(ROLES):
-        rows = role_index == i
-        if rows.any():
-            out[f"{role}/_count"] = rows.sum().float()
-            add(f"{role}/", rows)
-    return out
