@@ -77,6 +77,9 @@ class Sample:
     """The text handed to the next agent (the response without its reasoning block)."""
     reward: float | None = None
     """Scalar reward, set once the reward function ran."""
+    advantage: float | None = None
+    """Set by the trainer when it computes the advantages of the sample's problem (the value
+    its training sequence carries); None before that, and on samples never trained (evaluation)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form extras (engine timings, weight version, ...); never read by the maths."""
 

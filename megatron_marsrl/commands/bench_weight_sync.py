@@ -36,8 +36,8 @@ def _bench(args, workdir: Path) -> int:
     from megatron_marsrl.megatron.hf_config import ModelArch
     from megatron_marsrl.megatron.parallel import ParallelConfig
     from megatron_marsrl.megatron.verify import build_from_hf
+    from megatron_marsrl.megatron.weight_sync import sync_weights
     from megatron_marsrl.rollout.factory import make_engine
-    from megatron_marsrl.rollout.weight_sync import sync_weights
 
     hf_dir = workdir / "hf"
     config = synthetic_config(args.size_mb)

@@ -22,8 +22,8 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def role_metrics(samples: Sequence[Sample], advantages: dict[str, float] | None = None) -> dict[str, float]:
-    """Statistics per role; `advantages` maps sample_id -> advantage."""
+def role_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Statistics per role; the advantage ones over the samples that have one (trained)."""
     by_role: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
         by_role[s.role].append(s)
@@ -35,13 +35,12 @@ def role_metrics(samples: Sequence[Sample], advantages: dict[str, float] | None 
         out[f"{role}/accuracy"] = _mean([1.0 if r >= 0.5 else 0.0 for r in rewards])
         out[f"{role}/response_len"] = _mean([len(s.response_token_ids or []) for s in group])
         out[f"{role}/parse_fail"] = _mean([1.0 if s.parse_status.is_failure else 0.0 for s in group])
-        if advantages:
-            adv = [advantages[s.sample_id] for s in group if s.sample_id in advantages]
-            if adv:
-                mean = _mean(adv)
-                out[f"{role}/advantage_mean"] = mean
-                out[f"{role}/advantage_std"] = math.sqrt(_mean([(a - mean) ** 2 for a in adv]))
-                out[f"{role}/advantage_abs_mean"] = _mean([abs(a) for a in adv])
+        adv = [s.advantage for s in group if s.advantage is not None]
+        if adv:
+            mean = _mean(adv)
+            out[f"{role}/advantage_mean"] = mean
+            out[f"{role}/advantage_std"] = math.sqrt(_mean([(a - mean) ** 2 for a in adv]))
+            out[f"{role}/advantage_abs_mean"] = _mean([abs(a) for a in adv])
     out.update(_verifier(by_role.get("verifier", [])))
     out.update(_corrector(by_role.get("corrector", [])))
     return out

@@ -129,7 +129,7 @@ def _engines_of_policy(config: TrainConfig, index: int):
     return dataclasses.replace(engine, base_gpu_id=engine.base_gpu_id + index * _engine_gpus(engine))
 
 
-def sample_metrics(samples: list[Sample], advantages: dict[str, float]) -> dict[str, float]:
+def sample_metrics(samples: list[Sample]) -> dict[str, float]:
     """Rollout statistics of a step under "rollout/"."""
-    return {f"rollout/{k}": v for k, v in role_metrics(samples, advantages).items()}
+    return {f"rollout/{k}": v for k, v in role_metrics(samples).items()}
 

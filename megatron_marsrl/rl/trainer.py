@@ -9,11 +9,9 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,15 +19,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_marsrl.algorithms.advantages import batch_from_samples, compute_advantages
-from megatron_marsrl.algorithms.losses import PolicyLossInputs, k3_kl, policy_loss
+from megatron_marsrl.algorithms.losses import PolicyLossInputs, policy_loss
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.parallel import init_parallel
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
-from megatron_marsrl.rl.rollout_metrics import role_metrics
+from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
+from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +130,10 @@ class Trainer:
         dist.broadcast_object_list(holder, src=0, group=self.control)
         return holder[0]
 
+    def _tell(self, msg: StepMessage) -> None:
+        """Rank 0: send a step's message to the other ranks (messages.py)."""
+        self._broadcast(msg)
+
     # ---- rollouts + training of one step ------------------------------------------------
     def start_rollouts(self, step: int) -> None:
         if self.rollout is not None:
@@ -139,22 +142,32 @@ class Trainer:
     def train_while_generating(self, step: int) -> tuple[list[Sample], dict]:
         """Train each unit of groups as soon as the scheduler packs it, while the rest is still
         being generated. Returns the step's samples (rank 0; [] elsewhere) and train metrics."""
-        acc = _MetricSums()
+        acc = MetricSums()
         if self.rank == 0:
             samples, timing = self._lead_step(step, acc)
         else:
             samples, timing = [], {}
-            while (msg := self._broadcast())[0] == "round":
-                self._run_round(msg[1], msg[2], acc)
-            if msg[0] == "abort":
-                raise StepAborted(f"rank 0 stopped step {step}: {msg[1]}", by_signal=msg[2])
+            self._follow_step(step, acc)
         return samples, {**self._reduce(acc), **timing}
 
-    def _lead_step(self, step: int, acc: "_MetricSums") -> tuple[list[Sample], dict]:
+    def _follow_step(self, step: int, acc: MetricSums) -> None:
+        """Ranks other than 0: train the rounds rank 0 sends until the step ends or aborts."""
+        while True:
+            match self._broadcast():
+                case TrainRound(policy=policy, micro_batches=payload):
+                    self._run_round(policy, payload, acc)
+                case StepEnd():
+                    return
+                case StepAbort(reason=reason, by_signal=by_signal):
+                    raise StepAborted(f"rank 0 stopped step {step}: {reason}", by_signal=by_signal)
+                case msg:
+                    raise TypeError(f"rank {self.rank}: unexpected control message {msg!r} in step {step}")
+
+    def _lead_step(self, step: int, acc: MetricSums) -> tuple[list[Sample], dict]:
         cfg = self.config
         sched = MicroBatchScheduler(cfg.scheduler, dp_size=_dp_size(), policies=cfg.policy_names())
         sched.begin_step(step, version=step)
-        samples, seqs, advantages = [], {}, {}
+        samples, seqs = [], {}
         start = time.perf_counter()
         t = {"train": 0.0, "idle": 0.0, "rounds": []}
         while True:
@@ -164,18 +177,17 @@ class Trainer:
             if unit is None:
                 break
             self._from_rollout(step, lambda: [sched.add_group(items) for items in
-                                              self._prepare_unit(unit, seqs, advantages, samples)])
+                                              self._prepare_unit(unit, seqs, samples)])
             # A failure inside a round is not caught: the other ranks are inside Megatron's
             # collectives with us, so the process must end and torchrun tear the job down.
             self._train_rounds(sched.pop_ready(), seqs, acc, t)
         self._train_rounds(sched.finish_step(), seqs, acc, t)
-        self._broadcast(("end",))
+        self._tell(StepEnd())
         finished = self.rollout.driver.finished_at
         during = sum(max(0.0, min(end, finished) - begin) for begin, end in t["rounds"])
         return samples, {"time/rollout": finished - start, "time/train": t["train"], "time/train_idle": t["idle"],
                          "time/overlap_fraction": during / t["train"] if t["train"] else 0.0,
-                         "time/rollout_and_train": time.perf_counter() - start,
-                         "_advantages": advantages}
+                         "time/rollout_and_train": time.perf_counter() - start}
 
     def _from_rollout(self, step: int, fn):
         """Run a rollout-side call; if it fails (engines gave up, a stop signal, bad data) tell
@@ -184,7 +196,7 @@ class Trainer:
             return fn()
         except Exception as exc:
             by_signal = isinstance(exc, _Interrupted)
-            self._broadcast(("abort", f"{type(exc).__name__}: {exc}", by_signal))
+            self._tell(StepAbort(reason=f"{type(exc).__name__}: {exc}", by_signal=by_signal))
             self.rollout.abort()
             raise StepAborted(f"step {step} stopped: {type(exc).__name__}: {exc}", by_signal=by_signal) from exc
 
@@ -200,16 +212,16 @@ class Trainer:
             except queue.Empty:
                 continue
 
-    def _prepare_unit(self, unit: list[Group], seqs: dict, advantages: dict, samples: list) -> list[list[SeqItem]]:
-        """Advantages of one unit (all its groups pool within one problem), training sequences,
-        and scheduler items (one list per group)."""
+    def _prepare_unit(self, unit: list[Group], seqs: dict, samples: list) -> list[list[SeqItem]]:
+        """Advantages of one unit (all its groups pool within one problem; kept on each
+        `Sample.advantage`), training sequences, and scheduler items (one list per group)."""
         unit_samples = [s for g in unit for s in g.samples]
         adv = compute_advantages(batch_from_samples(unit_samples), self.config.advantage)
         out = []
         mask_old = self.config.pipeline.segment_old_tokens == "mask"
         for sample, a in zip(unit_samples, adv.tolist()):
-            advantages[sample.sample_id] = a
-            seqs[sample.sample_id] = (sample.role, _sequence(sample, a, self.rollout.version, mask_old))
+            sample.advantage = a
+            seqs[sample.sample_id] = (sample.role, _sequence(sample, self.rollout.version, mask_old))
         samples.extend(unit_samples)
         for g in unit:
             # With segment rollout a group holds samples finished in earlier steps: their tokens
@@ -223,16 +235,16 @@ class Trainer:
                 out.append(items)
         return out
 
-    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: "_MetricSums", t: dict) -> None:
+    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: MetricSums, t: dict) -> None:
         for rnd in rounds:
             payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
-            self._broadcast(("round", rnd.policy, payload))
+            self._tell(TrainRound(policy=rnd.policy, micro_batches=payload))
             begin = time.perf_counter()
             self._run_round(rnd.policy, payload, acc)
             t["rounds"].append((begin, time.perf_counter()))
             t["train"] += t["rounds"][-1][1] - begin
 
-    def _run_round(self, policy: str, payload: list, acc: "_MetricSums") -> None:
+    def _run_round(self, policy: str, payload: list, acc: MetricSums) -> None:
         from megatron.core import parallel_state as ps
 
         mine = payload[ps.get_data_parallel_rank()]
@@ -251,7 +263,8 @@ class Trainer:
         # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)
         acc.add_units(policy, metrics.pop("aggregation_units"), metrics.pop("loss"))
         if real:
-            acc.add({**metrics, "routing_replayed": float("routed_experts" in batch)})
+            metrics["routing_replayed"] = float("routed_experts" in batch)
+            acc.add(weigh(metrics, batch["response_mask"], batch["role_index"]))
 
     def _loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor | None, batch: dict):
         cfg = self.config.loss
@@ -263,31 +276,25 @@ class Trainer:
             ref_logprobs=batch["ref_logprobs"].to(logp.device) if "ref_logprobs" in batch else None,
             rollout_logprobs=rollout if cfg.tis is not None else None)
         loss, metrics = policy_loss(inputs, cfg, normalizer=1.0)
-        metrics = {**metrics, **_mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
+        metrics = {**metrics, **mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
         return loss, metrics
 
-    def _reduce(self, acc: "_MetricSums") -> dict:
-        """Weighted means of the train metrics over micro-batches and data-parallel ranks."""
+    def _reduce(self, acc: MetricSums) -> dict:
+        """The step's train metrics (weighted means over micro-batches and data-parallel ranks)
+        and each policy's step objective; keeps the step's loss units for `optimizer_step`."""
         from megatron.core import parallel_state as ps
 
         parts = [None] * _dp_size()
-        dist.all_gather_object(parts, (dict(acc.sums), dict(acc.weights), dict(acc.units)),
-                               group=ps.get_data_parallel_group())
-        sums, weights, self._units = defaultdict(float), defaultdict(float), defaultdict(float)
-        for s, w, u in parts:
-            for k, v in s.items():
-                sums[k] += v
-            for k, v in w.items():
-                weights[k] += v
-            for k, v in u.items():
-                self._units[k] += v
-        out = {f"train/{k}": sums[k] / weights[k] for k in sums if weights[k] > 0 and k != "nonfinite"}
-        out["train/nonfinite_metrics"] = sums.get("nonfinite", 0.0)
-        losses = {p: self._units[f"{p}:loss"] / self._units[p] for p in self.actors if self._units.get(p)}
-        for policy, loss in losses.items():  # the step objective each optimizer step minimised
-            out[f"{policy}/loss"] = loss
-        if losses:
-            out["train/loss"] = sum(self._units[f"{p}:loss"] for p in losses) / sum(self._units[p] for p in losses)
+        dist.all_gather_object(parts, acc, group=ps.get_data_parallel_group())
+        total = MetricSums.merged(parts)
+        self._units = dict(total.units)
+        out = {f"train/{k}": v for k, v in total.means().items()}
+        out["train/nonfinite_metrics"] = total.nonfinite
+        trained = [p for p in self.actors if total.units.get(p)]
+        for policy in trained:  # the step objective each optimizer step minimised
+            out[f"{policy}/loss"] = total.losses[policy] / total.units[policy]
+        if trained:
+            out["train/loss"] = sum(total.losses[p] for p in trained) / sum(total.units[p] for p in trained)
         return out
 
     # ---- metrics, evaluation ---------------------------------------------------------------
@@ -313,8 +320,7 @@ class Trainer:
             return {}
         from megatron_marsrl.rl.rollout_side import sample_metrics
 
-        advantages = metrics.pop("_advantages", {})
-        out = sample_metrics(samples, advantages)
+        out = sample_metrics(samples)
         generated = sum(len(s.response_token_ids or []) for s in samples)
         trained = sum(len(s.prompt_token_ids or []) + len(s.response_token_ids or []) for s in samples)
         out.update({"time/step": step_time, "throughput/samples_per_s": len(samples) / step_time,
@@ -355,7 +361,7 @@ class Trainer:
 
     def sync_weights(self, version: int, probe: dict | None = None) -> dict:
         """Megatron -> engines for every policy; with the probe check after each."""
-        from megatron_marsrl.rollout.weight_sync import sync_and_verify, sync_weights
+        from megatron_marsrl.megatron.weight_sync import sync_and_verify, sync_weights
 
         out, start = {}, time.perf_counter()
         for name, actor in self.actors.items():
@@ -454,28 +460,6 @@ class _NullObserver:
         pass
 
 
-class _MetricSums:
-    """Weighted sums of per-micro-batch metrics (weight: the micro-batch's sequences)."""
-
-    def __init__(self):
-        self.sums, self.weights, self.units = defaultdict(float), defaultdict(float), defaultdict(float)
-
-    def add(self, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            if k.endswith("_count"):
-                continue
-            if not math.isfinite(v):  # counted, not averaged in (a NaN must not hide)
-                self.sums["nonfinite"] += 1.0
-                continue
-            w = metrics.get(f"{k.split('/')[0]}/_count", 1.0) if "/" in k else metrics.get("_count", 1.0)
-            self.sums[k] += v * w
-            self.weights[k] += w
-
-    def add_units(self, policy: str, units: float, loss: float) -> None:
-        self.units[policy] += units
-        self.units[f"{policy}:loss"] += loss
-
-
 def _dp_size() -> int:
     from megatron.core import parallel_state as ps
 
@@ -486,37 +470,15 @@ def _trainable(seq: Sequence) -> bool:
     return seq.trained_from < len(seq.response_ids)
 
 
-def _sequence(sample: Sample, advantage: float, version: int, mask_old: bool) -> Sequence:
-    """A training sequence; with segment rollout and `mask_old`, tokens generated by older
-    weights get no gradient (otherwise TIS corrects them through the rollout log-probs)."""
+def _sequence(sample: Sample, version: int, mask_old: bool) -> Sequence:
+    """The training sequence of a sample whose advantage is set; with segment rollout and
+    `mask_old`, tokens generated by older weights get no gradient (otherwise TIS corrects them
+    through the rollout log-probs)."""
     versions = sample.metadata.get("token_versions")
     trained_from = 0
     if versions and mask_old:
         trained_from = next((i for i, v in enumerate(versions) if v == version), len(versions))
     return Sequence(prompt_ids=list(sample.prompt_token_ids or []), response_ids=list(sample.response_token_ids or []),
-                    advantage=advantage, reward=float(sample.reward or 0.0), trained_from=trained_from,
+                    advantage=sample.advantage, reward=float(sample.reward or 0.0), trained_from=trained_from,
                     rollout_logprobs=list(sample.rollout_logprobs) if sample.rollout_logprobs else None,
                     routed_experts=sample.metadata.get("routed_experts"))
-
-
-def _mismatch_metrics(logp, rollout, mask, role_index, entropy) -> dict[str, torch.Tensor]:
-    """Train/rollout log-prob mismatch (|diff| and k3 KL) and entropy, overall and per role.
-    `_count` entries are the sequence counts the step-level means are weighted by."""
-    out: dict[str, torch.Tensor] = {"_count": torch.tensor(float(mask.any(-1).sum()))}
-
-    def add(prefix: str, rows: torch.Tensor) -> None:
-        m = mask & rows[:, None].to(mask.device)
-        n = m.sum().clamp(min=1)
-        diff = torch.where(m, logp - rollout, torch.zeros_like(logp))
-        out[f"{prefix}mismatch_abs"] = diff.abs().sum() / n
-        out[f"{prefix}mismatch_k3"] = torch.where(m, k3_kl(rollout, logp), torch.zeros_like(logp)).sum() / n
-        if entropy is not None:
-            out[f"{prefix}entropy"] = torch.where(m, entropy.detach(), torch.zeros_like(logp)).sum() / n
-
-    add("", torch.ones_like(role_index, dtype=torch.bool))
-    for i, role in enumerate(ROLES):
-        rows = role_index == i
-        if rows.any():
-            out[f"{role}/_count"] = rows.sum().float()
-            add(f"{role}/", rows)
-    return out

@@ -6,9 +6,9 @@ import torch
 from megatron_marsrl.megatron.forward import train_step
 from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.verify import build_from_hf
+from megatron_marsrl.megatron.weight_sync import logprob_mismatch, sync_and_verify, sync_weights
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
 from megatron_marsrl.rollout.hf_engine import TransformersEngine
-from megatron_marsrl.rollout.weight_sync import logprob_mismatch, sync_and_verify, sync_weights
 
 TEMPERATURE = 0.8
 
@@ -93,7 +93,7 @@ def sync_that_misses_tensors(hf_dir: str, dtype: str = "float32", optimizer: str
                              forgetful: bool = True) -> dict:
     """Train one step, then sync into an engine that ignores every tensor (like SGLang with
     unknown names) or a correct one; report what sync_and_verify says."""
-    from megatron_marsrl.rollout.weight_sync import WeightSyncError
+    from megatron_marsrl.megatron.weight_sync import WeightSyncError
 
     torch_dtype = getattr(torch, dtype)
     arch, parallel, model = build_from_hf(hf_dir, {}, dtype=torch_dtype)
