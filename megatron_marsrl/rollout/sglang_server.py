@@ -18,7 +18,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_marsrl.net import free_port
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
 from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError
 
@@ -107,12 +107,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     os.setsid()
     try:
@@ -174,7 +168,7 @@ class SGLangServer:
 
         cfg = self.config
         check_start(cfg.quantization, kind="sglang_server", model_dir=cfg.model_path)  # before spawning
-        port = cfg.port or _free_port(cfg.host)
+        port = cfg.port or free_port(cfg.host)
         self.url = f"http://{cfg.host}:{port}"
         on_cpu = not torch.cuda.is_available()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
