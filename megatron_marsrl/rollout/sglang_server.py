@@ -30,7 +30,7 @@ import torch
 
 from megatron_marsrl.net import free_port
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
-from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError
+from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError, sglang_dtype
 
 _RUNNING: set["SGLangServer"] = set()
 
@@ -55,7 +55,7 @@ class SGLangServerConfig:
     max_total_tokens: int = 16384
     """KV-cache capacity in tokens (SGLang's CPU default would reserve ~6 GB)."""
     dtype: str = "auto"
-    """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU."""
+    """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU (`sglang_dtype`)."""
     tp_size: int = 1
     """Tensor-parallel size of the engine (GPUs it spans)."""
     ep_size: int = 1
@@ -175,7 +175,7 @@ class SGLangServer:
                "--port", str(port), "--skip-tokenizer-init", "--max-total-tokens", str(cfg.max_total_tokens),
                "--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size), "--dp-size", str(cfg.dp_size),
                "--random-seed", str(cfg.seed), "--log-level", "warning",
-               "--dtype", "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype]
+               "--dtype", sglang_dtype(cfg.dtype)]
         env = dict(os.environ)
         if on_cpu:
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
