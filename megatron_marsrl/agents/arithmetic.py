@@ -8,18 +8,20 @@ rewards rising. Three things differ from the MarsRL math task, all for speed:
   * compact prompts ("solve: What is 3 + 4 ?", "check: ... = 7", "fix: ... = 8 no");
   * lenient parsers: the answer is the leading run of digits, the verdict the first word
     ("yes" = correct, "no" = wrong), so short outputs are scored without a format to learn.
-Rewards are the MarsRL agent rewards (answer match; verdict right about the judged answer).
+Rewards are the MarsRL agent rewards (rewards/agent_rewards.py: answer match; verdict right
+about the judged answer, read with this task's parser).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_marsrl.agents.client import Message
 from megatron_marsrl.agents.parsing import ParsedOutput
 from megatron_marsrl.agents.roles import Role, RoleSet
-from megatron_marsrl.data_types import ParseStatus, Sample, Verdict
-from megatron_marsrl.rewards.math_match import answers_match
+from megatron_marsrl.data_types import ParseStatus, Verdict
+from megatron_marsrl.rewards.agent_rewards import answer_reward, verdict_reward
 
 SPECIAL = ("<pad>", "<eos>", "<unk>")
 WORDS = ("solve", "check", "fix", ":", "What", "is", "Compute", "?", ".", "+", "-", "*", "=", "(", ")",
@@ -92,18 +94,8 @@ def parse_verdict(text: str, finish_reason: str = "stop") -> ParsedOutput:
     return ParsedOutput(value=verdict.value, status=ParseStatus.OK, passed_on=first)
 
 
-def answer_reward(sample: Sample, reference_answer: str) -> float:
-    """1 when the parsed answer equals the reference."""
-    return 1.0 if sample.parsed is not None and answers_match(sample.parsed, reference_answer) else 0.0
-
-
-def verdict_reward(sample: Sample, reference_answer: str) -> float:
-    """1 when the verdict is right about the judged answer (`inputs["solution"]`)."""
-    if sample.parsed not in (Verdict.CORRECT.value, Verdict.WRONG.value):
-        return 0.0
-    judged = parse_answer(sample.inputs.get("solution", "")).value
-    is_correct = judged is not None and answers_match(judged, reference_answer)
-    return 1.0 if (sample.parsed == Verdict.CORRECT.value) == is_correct else 0.0
+def _judged_answer(solution: str) -> str | None:
+    return parse_answer(solution).value
 
 
 def _prompt(template: str):
@@ -116,7 +108,7 @@ SOLVER = Role(name="solver", input_keys=("problem",), build_prompt=_prompt("solv
               parse_output=parse_answer, reward=answer_reward)
 VERIFIER = Role(name="verifier", input_keys=("problem", "solution"),
                 build_prompt=_prompt("check : {problem} = {solution} :"), parse_output=parse_verdict,
-                reward=verdict_reward)
+                reward=functools.partial(verdict_reward, extract=_judged_answer))
 CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
                  build_prompt=_prompt("fix : {problem} = {solution} {report} ="), parse_output=parse_answer,
                  reward=answer_reward)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from megatron_marsrl.agents.metrics import annotate, compute_metrics, format_metrics
-from megatron_marsrl.agents.solve_cli import ResultsFile, add_run_arguments, load_problems, run_rows
+from megatron_marsrl.agents.solve_cli import ResultsFile, add_run_arguments, read_problems, run_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,20 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = load_problems(args.input, args.limit)
-    missing = [r["id"] for r in rows if r.get("answer") is None]
-    if missing:
-        raise SystemExit(f"error: {args.input} rows {missing[:5]} have no 'answer'; eval needs reference answers")
+    rows = read_problems(args.input, args.limit, require_answer=True)  # rows without one are skipped
     results = ResultsFile(args.output, resume=args.resume or args.score_only, overwrite=args.overwrite)
     if not args.score_only:
         done = results.done_ids()
-        todo = [r for r in rows if r["id"] not in done]
+        todo = [r for r in rows if r.id not in done]
         print(f"eval: {len(todo)} problems to run ({len(done)} already in {args.output}), "
               f"k={args.runs}", file=sys.stderr)
         rc, _ = asyncio.run(run_rows(args, todo, results))
         if rc != 0:
             return rc
-    references = {r["id"]: str(r["answer"]) for r in rows}
+    references = {r.id: r.answer for r in rows}
     records = [annotate(rec, references[rec["id"]]) for rec in results.records if rec["id"] in references]
     if not records:
         raise SystemExit(f"error: {args.output} holds no results for the problems of {args.input}")

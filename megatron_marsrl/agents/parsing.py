@@ -58,12 +58,6 @@ def split_reasoning(text: str) -> tuple[str | None, str, bool]:
     return None, text.strip(), True
 
 
-def strip_reasoning(text: str) -> str:
-    """The text passed on to the next agent (see `split_reasoning`)."""
-    reasoning, visible, closed = split_reasoning(text)
-    return visible if closed else ""
-
-
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_BARE = re.compile(r"\\boxed\s+([^\s$\\{}]+)")  # "\boxed 5"
 

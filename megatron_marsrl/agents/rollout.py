@@ -21,9 +21,10 @@ to a `Selector`):
             that rightly found an error (reward 1) first; topped up at random.
 
 `GroupedRollout.stage` is one async step; `trajectory` chains the steps for
-one problem; `PipelinedRollout.step` advances many problems by one stage per
-training step, GPipe-like: new problems enter the Solver stage while the
-outputs of the previous step move on to their next stage.
+one problem; `next_stage` gives the `PendingStage` a stage leaves open, which
+the trainer's driver (rl/rollout_driver.py) runs in the next training step,
+GPipe-like: new problems enter the Solver stage while the outputs of the
+previous step move on to their next stage.
 """
 from __future__ import annotations
 
@@ -252,37 +253,3 @@ def _sample(out: RoleOutput, sample_id: str, group: Group, parent: Sample | None
                   metadata={**({"parent_reward": parent.reward} if parent is not None else {}),
                             **({"token_versions": c.token_versions} if c.token_versions else {}),
                             **({"routed_experts": c.routed_experts} if c.routed_experts is not None else {})})
-
-
-class PipelinedRollout:
-    """Advances every open trajectory by one stage per call (agentic pipeline parallelism).
-
-    Each `step` runs the Solver stage of the new problems and, at the same time,
-    the next stage of every trajectory the previous step left open; it returns
-    all groups finished in this step, so training never waits for whole
-    trajectories.
-    """
-
-    def __init__(self, rollout: GroupedRollout) -> None:
-        self.rollout = rollout
-        self.pending: list[PendingStage] = []
-
-    async def step(self, new_problems: Sequence[Problem],
-                   on_done: Callable[[list[Group]], None] | None = None) -> list[Group]:
-        """One stage of every open trajectory; `on_done` gets the groups of each (problem,
-        stage) as soon as they are generated and rewarded, while the others still run."""
-        work = [PendingStage(problem=p, turn=0, inputs=[]) for p in new_problems] + self.pending
-
-        async def one(w: PendingStage) -> list[Group]:
-            groups = await self.rollout.stage(w.problem, w.turn, w.inputs)
-            if on_done is not None:
-                on_done(groups)
-            return groups
-
-        results = await asyncio.gather(*(one(w) for w in work))
-        self.pending = []
-        for w, groups in zip(work, results):
-            nxt = self.rollout.next_stage(w.problem, w.turn, groups)
-            if nxt is not None:
-                self.pending.append(nxt)
-        return [g for groups in results for g in groups]

@@ -29,6 +29,8 @@ from megatron_marsrl.agents.client import chat_template_renderer, render_plain
 from megatron_marsrl.agents.metrics import annotate
 from megatron_marsrl.agents.roles import role_set
 from megatron_marsrl.agents.system import SLOTS, ReasoningSystem, SystemConfig
+from megatron_marsrl.data_types import Problem
+from megatron_marsrl.rl.data import DataError, load_problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,24 +104,14 @@ def build_system(args: argparse.Namespace) -> tuple[ReasoningSystem, list[OpenAI
     return system, list(clients.values())
 
 
-def load_problems(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a JSONL dataset: each needs "problem"; "id" defaults to the line number."""
-    rows, seen = [], set()
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"error: {path}:{n} is not valid JSON ({exc})") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("problem"), str):
-            raise SystemExit(f"error: {path}:{n} needs a JSON object with a string field 'problem'")
-        row["id"] = str(row.get("id", n))
-        if row["id"] in seen:
-            raise SystemExit(f"error: {path}:{n} repeats id {row['id']!r}; ids must be unique")
-        seen.add(row["id"])
-        rows.append(row)
-    return rows[:limit] if limit is not None else rows
+def read_problems(path: Path, limit: int | None = None, *, require_answer: bool = False) -> list[Problem]:
+    """The problems of a JSONL dataset (rl/data.py `load_problems`: "problem", optional
+    "answer" and "id"; each bad row is skipped with a warning naming its file and line)."""
+    try:
+        problems = load_problems(path, require_answer=require_answer).problems
+    except DataError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    return problems[:limit] if limit is not None else problems
 
 
 class ResultsFile:
@@ -156,16 +148,16 @@ class ResultsFile:
         self.records.append(record)
 
 
-async def _solve_one(system: ReasoningSystem, row: dict[str, Any]) -> dict[str, Any]:
-    result = await system.solve(row["id"], row["problem"])
-    record = {"id": row["id"], **result.to_json()}
+async def _solve_one(system: ReasoningSystem, problem: Problem) -> dict[str, Any]:
+    result = await system.solve(problem.id, problem.problem)
+    record = {"id": problem.id, **result.to_json()}
     del record["problem_id"]
-    if row.get("answer") is not None:
-        annotate(record, str(row["answer"]))
+    if problem.answer:
+        annotate(record, problem.answer)
     return record
 
 
-async def solve_rows(system: ReasoningSystem, rows: Sequence[dict[str, Any]], results: ResultsFile | None,
+async def solve_rows(system: ReasoningSystem, rows: Sequence[Problem], results: ResultsFile | None,
                      concurrency: int) -> list[dict[str, Any]]:
     """Solve `rows` (at most `concurrency` at once), appending each record as it finishes.
 
@@ -174,7 +166,7 @@ async def solve_rows(system: ReasoningSystem, rows: Sequence[dict[str, Any]], re
     """
     semaphore, done = asyncio.Semaphore(concurrency), []
 
-    async def one(row: dict[str, Any]) -> dict[str, Any]:
+    async def one(row: Problem) -> dict[str, Any]:
         async with semaphore:
             return await _solve_one(system, row)
 
@@ -200,7 +192,7 @@ def _progress(record: dict[str, Any], n: int, total: int) -> None:
           f"accepted {accepted}/{len(record['runs'])} runs", file=sys.stderr, flush=True)
 
 
-async def run_rows(args: argparse.Namespace, rows: list[dict[str, Any]],
+async def run_rows(args: argparse.Namespace, rows: list[Problem],
                    results: ResultsFile | None) -> tuple[int, list[dict[str, Any]]]:
     """Build the system and solve `rows`: (exit code, finished records); 1 on an endpoint error."""
     system, clients = build_system(args)
@@ -221,14 +213,14 @@ async def run_rows(args: argparse.Namespace, rows: list[dict[str, Any]],
 
 def run(args: argparse.Namespace) -> int:
     if args.problem is not None:
-        rows = [{"id": "problem", "problem": args.problem}]
+        rows = [Problem(id="problem", problem=args.problem, answer="")]
         results = ResultsFile(args.output, resume=False, overwrite=True) if args.output else None
     else:
         if args.output is None:
             raise SystemExit("error: --output is required with --input")
         results = ResultsFile(args.output, resume=args.resume, overwrite=args.overwrite)
         done = results.done_ids()
-        rows = [r for r in load_problems(args.input, args.limit) if r["id"] not in done]
+        rows = [p for p in read_problems(args.input, args.limit) if p.id not in done]
         if done:
             print(f"resuming: {len(done)} problems already in {args.output}, {len(rows)} to go", file=sys.stderr)
     rc, records = asyncio.run(run_rows(args, rows, results))

@@ -164,7 +164,8 @@ def compute_advantages(batch: AdvantageBatch, config: AdvantageConfig) -> torch.
 
 
 def count_degenerate_groups(rewards: torch.Tensor, groups: torch.Tensor) -> dict[str, int]:
-    """Numbers of groups, singleton groups and zero-std groups (for logging)."""
+    """Numbers of groups, singleton groups and zero-std groups (logged per role as
+    `{role}/zero_std_group_fraction`, rl/rollout_metrics.py)."""
     dense = group_ids(groups)
     num = int(dense.max()) + 1 if dense.numel() else 0
     count = torch.zeros(num, dtype=torch.int64).index_add_(0, dense, torch.ones_like(dense))

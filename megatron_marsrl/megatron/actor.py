@@ -131,12 +131,6 @@ class PolicyActor:
         self.optimizer.zero_grad()
         self.micro_batches = 0
 
-    def logprobs(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[torch.Tensor]:
-        """Current-policy log-probs of tokens[1:] of each sequence (evaluation, probes)."""
-        self.model.eval()
-        return [forward.token_logprobs(self.model, [torch.tensor([s])], temperature=temperature)[0][0]
-                for s in sequences]
-
     def save(self, path: Path, meta: dict) -> None:
         """Model + optimizer; the meta and tokenizer files make it a checkpoint `marsrl convert
         mcore-to-hf` exports like one written by `hf-to-mcore`."""

@@ -173,10 +173,6 @@ def _materialise_adam_state(optimizer) -> None:
                 state.setdefault("step", torch.tensor(0.0))
 
 
-def has_optimizer_state(path: str | Path) -> bool:
-    return read_meta(path).get("optimizer") is not None
-
-
 def _optimizer_signature(optimizer) -> dict:
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
     return {"parts": len(subs), "distributed": any(type(s).__name__ == "DistributedOptimizer" for s in subs)}

@@ -1,4 +1,4 @@
-"""Pipeline-scheduled forward/backward passes: logits, per-token log-probs, training steps.
+"""Pipeline-scheduled forward/backward passes: logits, per-token log-probs, training micro-batches.
 
 All functions run Megatron's schedule (1F1B when PP>1), so they work unchanged under any
 TP/PP/EP/DP layout. A micro-batch is either rows of token ids ``[b, seq]`` (one sequence per
@@ -239,42 +239,8 @@ def full_logits(model, tokens: torch.Tensor) -> torch.Tensor | None:
     return out[0]["logits"] if ps.is_pipeline_last_stage() else None
 
 
-def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -> dict:
-    """One optimizer step over ``micro_batches`` (gradients accumulated, synced once).
-
-    ``loss_fn(logprobs [b, s-1], batch) -> (loss scalar, metrics dict)`` gets the per-token
-    log-probs of ``batch["tokens"][:, 1:]`` (temperature ``batch.get("temperature", 1)``;
-    optional ``batch["routed_experts"]`` replays MoE routing, see routing_replay.py).
-    Returns the averaged metrics, ``grad_norm`` and whether the update was applied.
-    """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    def step(chunk, batch):
-        tokens = batch["tokens"]
-        inputs, labels = _shifted(tokens)
-        logits = chunk(inputs, _positions(inputs), None)
-
-        def loss_func(out):
-            logp = -vocab_parallel_cross_entropy(_scaled_logits(model, out, batch.get("temperature", 1.0)), labels)
-            loss, metrics = loss_fn(logp[:, : tokens.shape[1] - 1], batch)
-            # clone(): the schedule divides the returned loss in place by the micro-batch count.
-            return loss, {"loss": loss.detach().clone(),
-                          **{k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}}
-
-        return logits, loss_func
-
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    data = [{**b, "tokens": b["tokens"].to(_device())} for b in micro_batches]
-    out = _run_schedule(model, data, step, forward_only=False)
-    applied, grad_norm, _ = optimizer.step()
-    metrics = _reduce_metrics(out, len(micro_batches))
-    return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_applied": bool(applied)}
-
-
-def _reduce_metrics(out: list[dict], num_micro_batches: int, *, over_data_parallel: bool = True) -> dict[str, float]:
-    """Mean of each metric over micro-batches (and data-parallel ranks), on every rank."""
+def _reduce_metrics(out: list[dict]) -> dict[str, float]:
+    """Mean of each metric over the micro-batches of this rank's schedule, on every stage."""
     from megatron.core import parallel_state as ps
 
     keys = sorted(out[0]) if out else []
@@ -288,11 +254,7 @@ def _reduce_metrics(out: list[dict], num_micro_batches: int, *, over_data_parall
         values = torch.stack([torch.stack([d[k].float() for d in out]).mean() for k in keys])
     else:
         values = torch.zeros(len(keys))
-    values = values.to(_device())
-    if over_data_parallel and ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
-        values /= ps.get_data_parallel_world_size()
-    values = _broadcast_from_last_stage([values], [values.shape])[0]
+    values = _broadcast_from_last_stage([values.to(_device())], [values.shape])[0]
     return {k: float(v) for k, v in zip(keys, values)}
 
 
@@ -344,7 +306,7 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
             out = _run_schedule(model, [_prepared(model, batch)], step, forward_only=False)
     finally:
         config.finalize_model_grads_func = finalize
-    return _reduce_metrics(out, 1, over_data_parallel=False)
+    return _reduce_metrics(out)
 
 
 def micro_batch_logprobs(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:

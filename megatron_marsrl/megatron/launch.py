@@ -14,22 +14,17 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from megatron_marsrl.net import free_port
+
 
 class LaunchError(RuntimeError):
     """A rank of a launched job failed."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(target: str, world_size: int, kwargs: dict | None = None, *, timeout: float = 900,
@@ -38,7 +33,7 @@ def launch(target: str, world_size: int, kwargs: dict | None = None, *, timeout:
     with tempfile.TemporaryDirectory(prefix="marsrl-launch-", ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)
         (workdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
-        port = _free_port()
+        port = free_port()
         procs, logs = [], []
         try:
             for rank in range(world_size):

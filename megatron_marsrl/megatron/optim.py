@@ -95,6 +95,3 @@ def _offload_options(optim: OptimConfig, distributed_optimizer: bool) -> dict:
     # HybridDeviceOptimizer reuses that code path in the distributed optimizer.
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True)
 
-
-def default_dtype() -> torch.dtype:
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32

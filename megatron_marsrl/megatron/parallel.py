@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 
 from megatron_marsrl.megatron.hf_config import ModelArch
+from megatron_marsrl.net import free_port
 
 
 class LayoutError(ValueError):
@@ -107,7 +108,7 @@ def init_parallel(parallel: ParallelConfig, arch: ModelArch, *, seed: int = 1234
         torch.cuda.set_device(local_cuda_device())
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10))
@@ -136,11 +137,3 @@ def local_cuda_device() -> int:
         raise LayoutError(f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s): launch at most "
                           f"{count} rank(s) per node, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
     return local_rank
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -9,15 +9,16 @@ trajectory ended:
     verdict is never right.
 
 A reward function is any callable `(sample, reference_answer) -> float`
-(`RewardFn`); built-ins are named, user ones are given by import path.
-`with_format_penalty` subtracts a constant from outputs that failed to parse.
+(`RewardFn`); each role carries its own, so a user reward comes with a user role
+(agents/roles.py, by import path). `with_format_penalty` subtracts a constant from
+outputs that failed to parse.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from megatron_marsrl import plugins
 from megatron_marsrl.agents.parsing import extract_answer
 from megatron_marsrl.data_types import Sample, Verdict
 from megatron_marsrl.rewards.math_match import answers_match
@@ -34,14 +35,16 @@ def answer_reward(sample: Sample, reference_answer: str) -> float:
     return 1.0 if answers_match(sample.parsed, reference_answer) else 0.0
 
 
-def verdict_reward(sample: Sample, reference_answer: str) -> float:
-    """Verifier: 1.0 when its verdict is right about `sample.inputs["solution"]`."""
+def verdict_reward(sample: Sample, reference_answer: str, *,
+                   extract: Callable[[str], str | None] = extract_answer) -> float:
+    """Verifier: 1.0 when its verdict is right about `sample.inputs["solution"]`, whose final
+    answer `extract` reads (the boxed answer of the math task by default)."""
     if "solution" not in sample.inputs:
         raise ValueError(f"verifier sample {sample.sample_id} has no 'solution' input; "
                          "verdict_reward needs the solution the verifier judged")
     if sample.parsed not in (Verdict.CORRECT.value, Verdict.WRONG.value):
         return 0.0
-    solution_is_correct = answers_match(extract_answer(sample.inputs["solution"]), reference_answer)
+    solution_is_correct = answers_match(extract(sample.inputs["solution"]), reference_answer)
     said_correct = sample.parsed == Verdict.CORRECT.value
     return 1.0 if said_correct == solution_is_correct else 0.0
 
@@ -63,14 +66,3 @@ def with_format_penalty(base: RewardFn, penalty: float) -> RewardFn:
     if penalty < 0:
         raise ValueError(f"format penalty must be >= 0 (it is subtracted), got {penalty}")
     return base if penalty == 0 else FormatPenalized(base, penalty)
-
-
-REWARDS: dict[str, RewardFn] = {"answer": answer_reward, "verdict": verdict_reward}
-
-
-def get_reward(spec: str) -> RewardFn:
-    """A built-in reward ("answer", "verdict") or a user one by import path "pkg.module:fn"."""
-    fn = plugins.resolve(spec, REWARDS, what="reward function")
-    if not callable(fn):
-        raise TypeError(f"reward {spec!r} resolved to {fn!r}, which is not callable")
-    return fn

@@ -65,10 +65,12 @@ class _BadRow(Exception):
 
 # ---- JSONL files ----------------------------------------------------------------------------------
 
-def load_problems(path: str | Path) -> LoadReport:
+def load_problems(path: str | Path, *, require_answer: bool = True) -> LoadReport:
     """Read problems from a JSONL file: one object per line with "problem" (or "question"),
     "answer" (string or number) and an optional "id" (default "<file stem>-<line>").
 
+    The one dataset reader (training, evaluation, `marsrl solve` / `marsrl eval`). Without
+    `require_answer` (solving needs none) a row may lack "answer": its answer is "".
     Blank lines are ignored. Each bad row is logged as a warning with its file and line,
     skipped, and listed in the report. Raises DataError when the file is missing or has no
     valid row."""
@@ -82,7 +84,7 @@ def load_problems(path: str | Path) -> LoadReport:
         if not raw.strip():
             continue
         try:
-            problem = _parse_row(raw, path.stem, line_no)
+            problem = _parse_row(raw, path.stem, line_no, require_answer)
             if problem.id in first_line_of:
                 raise _BadRow("duplicate_id", f"id {problem.id!r} already used on line {first_line_of[problem.id]}")
         except _BadRow as bad:
@@ -99,7 +101,7 @@ def load_problems(path: str | Path) -> LoadReport:
     return report
 
 
-def _parse_row(raw: bytes, stem: str, line_no: int) -> Problem:
+def _parse_row(raw: bytes, stem: str, line_no: int, require_answer: bool) -> Problem:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -113,7 +115,10 @@ def _parse_row(raw: bytes, stem: str, line_no: int) -> Problem:
     problem = row.get("problem", row.get("question"))
     if not isinstance(problem, str) or not problem.strip():
         raise _BadRow("missing_problem", f'"problem" (or "question") must be non-empty text, got {problem!r}')
-    return Problem(id=_row_id(row, stem, line_no), problem=problem, answer=_answer_text(row.get("answer")))
+    answer = row.get("answer")
+    if not require_answer and (answer is None or (isinstance(answer, str) and not answer.strip())):
+        return Problem(id=_row_id(row, stem, line_no), problem=problem, answer="")
+    return Problem(id=_row_id(row, stem, line_no), problem=problem, answer=_answer_text(answer))
 
 
 def _answer_text(answer: Any) -> str:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from megatron_marsrl.agents.rollout import GroupedRollout, PendingStage, PipelinedRollout
+from megatron_marsrl.agents.rollout import GroupedRollout, PendingStage
 from megatron_marsrl.data_types import Group, Problem, Sample
 
 _DONE = object()
@@ -71,7 +71,7 @@ class RolloutDriver:
         if mode not in ("pipeline", "sync"):
             raise ValueError(f"rollout mode {mode!r}: use 'pipeline' or 'sync'")
         self.rollout, self.mode = rollout, mode
-        self.pipeline = PipelinedRollout(rollout)
+        self._pending: list[PendingStage] = []
         self.gate = gate or StepGate()
         self._queue: queue.Queue = queue.Queue()
         self._loop = asyncio.new_event_loop()
@@ -85,7 +85,7 @@ class RolloutDriver:
     @property
     def pending(self) -> list[PendingStage]:
         """Stage inputs waiting for the next step (pipeline mode)."""
-        return self.pipeline.pending
+        return self._pending
 
     def start_step(self, step: int, problems: Sequence[Problem]) -> None:
         """Start generating step `step` in the background."""
@@ -115,8 +115,8 @@ class RolloutDriver:
         (segment rollout) stays in flight and finishes in a later step; the step ends when
         everything not parked is done."""
         work = [PendingStage(problem=p, turn=0, inputs=[]) for p in problems]
-        work += sorted(self.pipeline.pending, key=lambda w: (w.problem.id, w.turn))
-        self.pipeline.pending = []
+        work += sorted(self._pending, key=lambda w: (w.problem.id, w.turn))
+        self._pending = []
         self.gate.open_step()
         for w in work:
             self._inflight[asyncio.create_task(self._stage(w))] = w
@@ -145,7 +145,7 @@ class RolloutDriver:
         self._queue.put(groups)
         nxt = self.rollout.next_stage(w.problem, w.turn, groups)
         if nxt is not None:
-            self.pipeline.pending.append(nxt)
+            self._pending.append(nxt)
 
     def next_unit(self, timeout: float | None = None) -> list[Group] | None:
         """The next finished unit of the running step; None once the step is complete.
@@ -188,9 +188,9 @@ class RolloutDriver:
                              "inputs": [_sample_to_dict(s) for s in p.inputs]} for p in work]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pipeline.pending = [PendingStage(problem=Problem(**p["problem"]), turn=p["turn"],
-                                              inputs=[_sample_from_dict(s) for s in p["inputs"]])
-                                 for p in state.get("pending", [])]
+        self._pending = [PendingStage(problem=Problem(**p["problem"]), turn=p["turn"],
+                                      inputs=[_sample_from_dict(s) for s in p["inputs"]])
+                         for p in state.get("pending", [])]
 
 
 def _sample_to_dict(sample: Sample) -> dict:

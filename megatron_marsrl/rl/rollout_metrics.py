@@ -1,7 +1,8 @@
-"""Per-role statistics of one step's samples (pure Python; logged to TensorBoard).
+"""Per-role statistics of one step's samples (no Megatron; logged to TensorBoard).
 
     {role}/reward_mean, {role}/accuracy (reward >= 0.5), {role}/response_len, {role}/samples,
     {role}/advantage_mean, {role}/advantage_std, {role}/advantage_abs_mean, {role}/parse_fail
+    {role}/zero_std_group_fraction        groups of >= 2 samples with one reward: no signal
     verifier/precision, verifier/recall   flagging wrong solutions ("no" on a wrong one)
     corrector/fix_rate                    wrong input solution -> right answer
 
@@ -15,6 +16,9 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+import torch
+
+from megatron_marsrl.algorithms.advantages import count_degenerate_groups
 from megatron_marsrl.data_types import Sample, Verdict
 
 
@@ -41,9 +45,18 @@ def role_metrics(samples: Sequence[Sample]) -> dict[str, float]:
             out[f"{role}/advantage_mean"] = mean
             out[f"{role}/advantage_std"] = math.sqrt(_mean([(a - mean) ** 2 for a in adv]))
             out[f"{role}/advantage_abs_mean"] = _mean([abs(a) for a in adv])
+            out[f"{role}/zero_std_group_fraction"] = _zero_std_fraction(group)
     out.update(_verifier(by_role.get("verifier", [])))
     out.update(_corrector(by_role.get("corrector", [])))
     return out
+
+
+def _zero_std_fraction(samples: Sequence[Sample]) -> float:
+    """Share of the GRPO groups whose rewards are all equal (their advantages are 0)."""
+    ids: dict[str, int] = {}
+    counts = count_degenerate_groups(torch.tensor([float(s.reward or 0.0) for s in samples]),
+                                     torch.tensor([ids.setdefault(s.group_id, len(ids)) for s in samples]))
+    return counts["zero_std_groups"] / counts["groups"]
 
 
 def _verifier(samples: Sequence[Sample]) -> dict[str, float]:

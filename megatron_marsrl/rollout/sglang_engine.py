@@ -52,6 +52,13 @@ def prepare_cpu_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *paths])
 
 
+def sglang_dtype(dtype: str) -> str:
+    """The dtype SGLang is started with (engine and server alike): "auto" becomes float32 on CPU,
+    where the trainer computes in float32 and the log-probs must agree exactly; on GPU SGLang's
+    own "auto" (the checkpoint's dtype) stays. Any other name is passed through."""
+    return "float32" if dtype == "auto" and not torch.cuda.is_available() else dtype
+
+
 class SGLangEngine(BatchedEngine):
     """One SGLang engine over a HF checkpoint directory."""
 
@@ -69,7 +76,7 @@ class SGLangEngine(BatchedEngine):
 
         kwargs = dict(model_path=str(model_dir), max_total_tokens=max_total_tokens, skip_tokenizer_init=True,
                       random_seed=seed, tp_size=tp_size, base_gpu_id=base_gpu_id, log_level="error",
-                      dtype="float32" if on_cpu and dtype == "auto" else dtype)
+                      dtype=sglang_dtype(dtype))
         if on_cpu:
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         if mem_fraction_static is not None:

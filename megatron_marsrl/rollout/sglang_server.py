@@ -18,7 +18,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_marsrl.net import free_port
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
-from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError
+from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError, sglang_dtype
 
 _RUNNING: set["SGLangServer"] = set()
 
@@ -55,7 +55,7 @@ class SGLangServerConfig:
     max_total_tokens: int = 16384
     """KV-cache capacity in tokens (SGLang's CPU default would reserve ~6 GB)."""
     dtype: str = "auto"
-    """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU."""
+    """"auto" is float32 on CPU (exact parity) and the checkpoint dtype on GPU (`sglang_dtype`)."""
     tp_size: int = 1
     """Tensor-parallel size of the engine (GPUs it spans)."""
     ep_size: int = 1
@@ -105,12 +105,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -174,14 +168,14 @@ class SGLangServer:
 
         cfg = self.config
         check_start(cfg.quantization, kind="sglang_server", model_dir=cfg.model_path)  # before spawning
-        port = cfg.port or _free_port(cfg.host)
+        port = cfg.port or free_port(cfg.host)
         self.url = f"http://{cfg.host}:{port}"
         on_cpu = not torch.cuda.is_available()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
                "--port", str(port), "--skip-tokenizer-init", "--max-total-tokens", str(cfg.max_total_tokens),
                "--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size), "--dp-size", str(cfg.dp_size),
                "--random-seed", str(cfg.seed), "--log-level", "warning",
-               "--dtype", "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype]
+               "--dtype", sglang_dtype(cfg.dtype)]
         env = dict(os.environ)
         if on_cpu:
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]

@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_marsrl.net import free_port
+
 
 class DistributedWeightSender:
     """Disaggregated mode: SGLang servers on other GPUs (or nodes) receive the weights by
@@ -19,17 +21,13 @@ class DistributedWeightSender:
 
     def __init__(self, servers: list, *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str | None = None, group_name: str = "marsrl_weights"):
-        import socket
         from concurrent.futures import ThreadPoolExecutor
 
         from sglang.srt.utils.common import init_custom_process_group
 
         self.servers, self.group_name = servers, group_name
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if not master_port:
-            with socket.socket() as sock:
-                sock.bind((master_address, 0))
-                master_port = sock.getsockname()[1]
+        master_port = master_port or free_port(master_address)
         world = 1 + sum(s.config.tp_size for s in servers)
         offsets = [1 + sum(s.config.tp_size for s in servers[:i]) for i in range(len(servers))]
         with ThreadPoolExecutor(len(servers)) as pool:  # the servers join while we join

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_marsrl.agents.parsing import (ParseCounter, extract_answer, extract_boxed, find_verdicts,
-                                            parse_review, parse_solution, split_reasoning, strip_reasoning)
+                                            parse_review, parse_solution, split_reasoning)
 from megatron_marsrl.data_types import ParseStatus, Verdict
 
 
@@ -103,8 +103,6 @@ def test_split_reasoning_forms():
     assert split_reasoning("a</think>b") == ("a", "b", True)          # template opened the block
     assert split_reasoning("<think>a") == ("a", "", False)
     assert split_reasoning("plain") == (None, "plain", True)
-    assert strip_reasoning("<think>x</think> y ") == "y"
-    assert strip_reasoning("<think>x") == ""
 
 
 def test_parse_counter():

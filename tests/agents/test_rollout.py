@@ -10,9 +10,8 @@ import textwrap
 import pytest
 
 from megatron_marsrl.agents.roles import RoleSet
-from megatron_marsrl.agents.rollout import (SELECTORS, GroupedRollout, PipelinedRollout, RolloutConfig,
-                                            eligible_inputs, get_selector, select_adaptive, select_balanced,
-                                            stage_of)
+from megatron_marsrl.agents.rollout import (SELECTORS, GroupedRollout, RolloutConfig, eligible_inputs, get_selector,
+                                            select_adaptive, select_balanced, stage_of)
 from megatron_marsrl.data_types import ParseStatus, Problem, Sample
 
 from .helpers import ScriptedGenerator, section
@@ -161,23 +160,6 @@ def test_user_selector_by_import_path(tmp_path, monkeypatch):
     assert [g.input_sample_id for g in groups if g.turn == 1] == solver_ids[:2]
     with pytest.raises(ValueError, match="unknown input selection strategy 'best'"):
         rollout(selection="best")
-
-
-def test_pipelined_steps_advance_every_trajectory_by_one_stage():
-    ro, _ = rollout()
-    pipe = PipelinedRollout(ro)
-    a, b = PROBLEM, Problem(id="p1", problem="[p1] What is 2+3?", answer="5")
-    step1 = asyncio.run(pipe.step([a]))
-    assert [(g.problem_id, g.turn) for g in step1] == [("p0", 0)]
-    step2 = asyncio.run(pipe.step([b]))
-    assert sorted({(g.problem_id, g.turn) for g in step2}) == [("p0", 1), ("p1", 0)]
-    seen = step1 + step2
-    for _ in range(10):
-        if not pipe.pending:
-            break
-        seen += asyncio.run(pipe.step([]))
-    assert not pipe.pending and max(g.turn for g in seen) <= 4
-    assert {g.problem_id for g in seen if g.turn == 1} == {"p0", "p1"}
 
 
 def test_config_validation():

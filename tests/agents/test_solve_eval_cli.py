@@ -117,6 +117,7 @@ def test_resume_drops_a_half_written_line(dataset, tmp_path):
 
 def test_bad_dataset_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "question": "?"}\n')
+    bad.write_text('{"id": "a", "text": "?"}\n')
     proc = marsrl("solve", "--input", bad, "--output", tmp_path / "o.jsonl", "--solver-url", "http://x", check=False)
-    assert proc.returncode != 0 and "needs a JSON object with a string field 'problem'" in proc.stderr
+    assert proc.returncode != 0 and "no usable problem" in proc.stderr
+    assert f"{bad}:1: skipped row (missing_problem)" in proc.stderr  # the one dataset reader: rl/data.py

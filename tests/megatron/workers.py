@@ -20,7 +20,7 @@ def train_losses(hf_dir: str, layout: dict, steps: int = 3, global_batch: int = 
     """Token-mean cross-entropy per step for a fixed data stream, under ``layout``."""
     from megatron.core import parallel_state as ps
 
-    from megatron_marsrl.megatron.forward import train_step
+    from tests.megatron.reference_step import train_step
     from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 
     arch, parallel, model = _setup(hf_dir, layout)
@@ -74,7 +74,7 @@ def _train(hf_dir, layout, steps):
 def _steps(ddp, optimizer, arch, steps, seed, global_batch=4, seq=16):
     from megatron.core import parallel_state as ps
 
-    from megatron_marsrl.megatron.forward import train_step
+    from tests.megatron.reference_step import train_step
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(seed)
@@ -101,10 +101,11 @@ def streamed_vs_step(hf_dir: str, layout: dict, steps: int = 2) -> float | None:
 
     from megatron.core import parallel_state as ps
 
-    from megatron_marsrl.megatron.forward import backward_micro_batch, finish_accumulation, train_step
+    from megatron_marsrl.megatron.forward import backward_micro_batch, finish_accumulation
     from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
     from megatron_marsrl.megatron.model import build_model
     from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+    from tests.megatron.reference_step import train_step
 
     arch, parallel, model_a = _setup(hf_dir, layout)
     model_b = build_model(arch, parallel)

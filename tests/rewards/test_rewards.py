@@ -1,14 +1,12 @@
 """Answer matching with math-verify and the agent-specific rewards."""
 from __future__ import annotations
 
-import textwrap
 import threading
 
 import pytest
 
 from megatron_marsrl.data_types import ParseStatus, Sample
-from megatron_marsrl.rewards.agent_rewards import (answer_reward, get_reward, verdict_reward,
-                                                   with_format_penalty)
+from megatron_marsrl.rewards.agent_rewards import answer_reward, verdict_reward, with_format_penalty
 from megatron_marsrl.rewards.math_match import MatchOutcome, answers_match, match_answer, normalize_answer
 
 
@@ -84,6 +82,16 @@ def test_verdict_reward_needs_the_judged_solution():
         verdict_reward(sample("verifier", "wrong"), "12")
 
 
+def test_verdict_reward_reads_the_judged_answer_with_the_tasks_parser():
+    from megatron_marsrl.agents import arithmetic
+
+    reward = arithmetic.VERIFIER.reward  # the arithmetic task's solutions are bare digits
+    assert reward(sample("verifier", "correct", solution="1 2"), "12") == 1.0
+    assert reward(sample("verifier", "wrong", solution="1 3"), "12") == 1.0
+    assert reward(sample("verifier", "correct", solution="no"), "12") == 0.0
+    assert arithmetic.SOLVER.reward is answer_reward
+
+
 def test_format_penalty_only_on_parse_failures():
     penalized = with_format_penalty(answer_reward, 0.25)
     assert penalized(sample("solver", "12"), "12") == 1.0
@@ -92,21 +100,3 @@ def test_format_penalty_only_on_parse_failures():
     assert with_format_penalty(answer_reward, 0.0) is answer_reward
     with pytest.raises(ValueError, match="format penalty must be >= 0"):
         with_format_penalty(answer_reward, -1)
-
-
-def test_reward_registry_and_user_reward_by_import_path(tmp_path, monkeypatch):
-    assert get_reward("answer") is answer_reward and get_reward("verdict") is verdict_reward
-    (tmp_path / "my_reward_plugin.py").write_text(textwrap.dedent('''
-        def length_bonus(sample, reference_answer):
-            return 1.0 if sample.parsed == reference_answer else 0.1
-        NOT_CALLABLE = 3
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fn = get_reward("my_reward_plugin:length_bonus")
-    assert fn(sample("solver", "7"), "7") == 1.0 and fn(sample("solver", "8"), "7") == 0.1
-    with pytest.raises(TypeError, match="not callable"):
-        get_reward("my_reward_plugin:NOT_CALLABLE")
-    with pytest.raises(ValueError, match="unknown reward function 'exact'"):
-        get_reward("exact")
-    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
-        get_reward("no_such_mod:fn")

@@ -56,6 +56,16 @@ def test_bad_rows_reported_with_line_numbers_and_counted(tmp_path, caplog):
     assert any("line 1" in r.getMessage() for r in caplog.records)  # the duplicate names the first use
 
 
+def test_answer_optional_when_solving(tmp_path):
+    path = write_lines(tmp_path / "solve.jsonl", [json.dumps({"problem": "1+1?"}),
+                                                  json.dumps({"problem": "2+2?", "answer": " "}),
+                                                  json.dumps({"problem": "3+3?", "answer": [6]})])
+    report = load_problems(path, require_answer=False)
+    assert report.problems == [Problem(id="solve-1", problem="1+1?", answer=""),
+                               Problem(id="solve-2", problem="2+2?", answer="")]
+    assert report.skipped == [(3, "bad_answer")]
+
+
 def test_all_bad_empty_and_missing_files_raise(tmp_path):
     bad = write_lines(tmp_path / "bad.jsonl", ["{", json.dumps({"problem": "x"})])
     with pytest.raises(DataError, match=r"bad\.jsonl.*no usable problem.*not_json.*missing_answer"):

@@ -24,3 +24,18 @@ def test_advantage_statistics_come_from_each_samples_advantage():
     # a role whose samples were not trained (evaluation) has no advantage statistics
     assert not any(k.startswith("verifier/advantage") for k in out)
     assert all(math.isfinite(v) for v in out.values())
+
+
+def _grouped(i: int, role: str, group: str, reward: float, advantage: float | None) -> Sample:
+    return Sample(sample_id=f"s{i}", role=role, stage=role, turn=0, problem_id="p", group_id=group, reward=reward,
+                  advantage=advantage)
+
+
+def test_zero_std_group_fraction_per_role():
+    rows = [("solver", "g0", 1.0), ("solver", "g0", 1.0), ("solver", "g1", 0.0), ("solver", "g1", 1.0),
+            ("verifier", "g2", 0.0), ("verifier", "g2", 0.0), ("verifier", "g3", 1.0)]  # g3: one sample
+    out = role_metrics([_grouped(i, role, g, r, 0.0) for i, (role, g, r) in enumerate(rows)])
+    assert out["solver/zero_std_group_fraction"] == pytest.approx(0.5)
+    assert out["verifier/zero_std_group_fraction"] == pytest.approx(0.5)
+    evaluated = [_grouped(i, role, g, r, None) for i, (role, g, r) in enumerate(rows)]
+    assert "solver/zero_std_group_fraction" not in role_metrics(evaluated)  # evaluation: no advantages

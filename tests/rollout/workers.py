@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_marsrl.megatron.forward import train_step
 from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.verify import build_from_hf
 from megatron_marsrl.megatron.weight_sync import logprob_mismatch, sync_and_verify, sync_weights
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
 from megatron_marsrl.rollout.hf_engine import TransformersEngine
+from tests.megatron.reference_step import train_step
 
 TEMPERATURE = 0.8
 

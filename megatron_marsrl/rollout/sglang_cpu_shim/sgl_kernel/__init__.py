@@ -3,8 +3,9 @@
 SGLang 0.5.23 imports these names from sgl_kernel at module level, but on the CPU
 torch-native path (SGLANG_USE_CPU_ENGINE=1) never calls them. The real package only ships
 CUDA builds. Every stand-in raises if called, and records the call in CALLED so a test can
-assert the torch-native path stayed free of them. Put this directory first on PYTHONPATH of
-the SGLang process only (see megatron_marsrl/rollout/sglang_compat.py).
+assert the torch-native path stayed free of them. Only on CPU is the directory above put first
+on the path of the processes that run SGLang: rollout/sglang_engine.py prepare_cpu_environment
+(the in-process engine and the processes it spawns) and rollout/sglang_server.py (a server).
 """
 import os
 

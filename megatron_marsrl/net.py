@@ -1,0 +1,13 @@
+"""Local networking shared by the trainer (process-group rendezvous) and the rollout (SGLang
+servers). Standard library only, so either side may import it."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now (the OS picks it; another process may still take
+    it before the caller binds, which a local rendezvous or server start accepts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
