@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +102,41 @@ def test_train_end_to_end_embedded_engine(tmp_path):
                          capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+# Library chatter that belongs in <run>/train.log, not on the console.
+CHATTER = ("Params for bucket", "param.main_grad.dtype",  # Megatron's gradient-buffer lists
+           "OptimizerConfig(", "DistributedDataParallelConfig(",  # ...and config dumps
+           "Warning", "WARNING", "is not installed", "DEPRECATED", "Timeout is disabled")  # warnings, math-verify
+
+
+def test_console_shows_progress_and_results_and_the_log_keeps_the_rest(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, "run.steps=2", "run.eval_every=2", "run.checkpoint_every=0")
+    console = proc.stdout + proc.stderr
+    for chatter in CHATTER:
+        assert chatter not in console, (chatter, console[-3000:])
+    assert proc.stderr.strip() == ""  # rank 1 prints nothing, rank 0 nothing but stdout
+    lines = proc.stdout.splitlines()
+    for step in (1, 2):
+        assert any(line.startswith(f"step {step}/2  solver ") and " s " in line for line in lines), lines
+    # the held-out results table, before and after training
+    assert re.search(r"^held-out evaluation +step 0 +step 2$", proc.stdout, re.M), proc.stdout
+    for role in ROLES:
+        assert re.search(rf"^  {role} reward_mean +-?[\d.]+ +-?[\d.]+$", proc.stdout, re.M), proc.stdout
+    assert f"Log: {run / 'train.log'}" in proc.stdout
+    log = (run / "train.log").read_text()
+    for chatter in ("Params for bucket", "OptimizerConfig(", "is not installed", "Timeout is disabled"):
+        assert chatter in log, chatter
+    assert " rank0 " in log and " rank1 " in log  # every rank logs there
+
+    # A failing run shows its traceback and the log's path on the console.
+    failed = subprocess.run(_cmd(tmp_path / "failed", "run.steps=2", f"model.path={tmp_path / 'no_model'}"),
+                            capture_output=True, text=True, timeout=300, env=_env())
+    assert failed.returncode != 0
+    assert "in _initial_model" in failed.stderr  # the rank's traceback
+    assert "FileNotFoundError: model.path=" in failed.stderr
+    assert f"full log: {tmp_path / 'failed' / 'train.log'}" in failed.stderr
 
 
 @pytest.mark.slow
