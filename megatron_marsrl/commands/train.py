@@ -8,11 +8,14 @@
 
 Without torchrun's environment, the command re-executes itself under torchrun with as many
 local ranks as the layout needs (or --nproc-per-node).
+
+The console shows a progress bar, one line per step (and per evaluation) and a results table
+at the end; library logs of every rank (Megatron's INFO, warnings, prints) go to
+<run>/train.log, and to the console too with --verbose (megatron_marsrl.rl.console).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 
@@ -34,6 +37,11 @@ def add_arguments(parser) -> None:
                         help="validate the layout and print the per-GPU memory estimate, then exit "
                              "(no GPU, no Megatron, no engine); exit 2 when it does not fit")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster, for --dry-run (default 1)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every rank's library output (Megatron's INFO logs, warnings, prints) on "
+                             "the console, logs in <run>/train.log too; by default that output goes to "
+                             "<run>/train.log only and the console shows a line per step, the held-out results "
+                             "table at the end, marsrl's warnings and errors")
 
 
 def resolve_config(args):
@@ -64,14 +72,25 @@ def _train(args) -> int:
         return _dry_run(args, config)
     if "WORLD_SIZE" not in os.environ:
         return _relaunch(args, config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megatron_marsrl.rl.loop import train
+    from megatron_marsrl.rl import console
 
-    result = train(config, resume=args.resume)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(json.dumps({k: v for k, v in result.items() if k != "metrics"}), flush=True)
-        print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}",
-              flush=True)
+    rank = int(os.environ.get("RANK", 0))
+    log_path = console.setup(config.run.output_dir, rank=rank, verbose=args.verbose)  # before Megatron's imports
+    try:
+        from megatron_marsrl.rl.loop import train
+
+        result = train(config, resume=args.resume)
+    except Exception as exc:
+        console.report_failure(exc)
+        raise
+    if rank == 0:
+        from megatron_marsrl.rl.observe import results_table
+
+        out = console.terminal()
+        print(f"\nmarsrl train: {result['step']} of {config.run.steps} steps in {result['run_dir']}", file=out)
+        print(results_table(result["run_dir"]), file=out)
+        print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}\n"
+              f"Log: {log_path}", file=out, flush=True)
     return 0
 
 
@@ -95,7 +114,7 @@ def _relaunch(args, config) -> int:
     nproc = args.nproc_per_node or min_world_size(config.parallel)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "megatron_marsrl.cli", *sys.argv[1:]]
-    print(f"[marsrl train] launching {nproc} rank(s): {' '.join(argv[1:])}", flush=True)
-    sys.stdout.flush()
+    if args.verbose:
+        print(f"[marsrl train] launching {nproc} rank(s): {' '.join(argv[1:])}", flush=True)
     os.execv(sys.executable, argv)
     return 1  # not reached

@@ -85,6 +85,7 @@ def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict,
         _check_optimizer_supported(optimizer)
         meta = {**meta, "optimizer": _optimizer_signature(optimizer)}
     state = _sharded_state(model, optimizer, is_loading=False)
+    _in_process_write_results()
     dist_checkpointing.save(state, str(tmp / "dist"))
     _barrier()
     if _rank() == 0:
@@ -94,6 +95,22 @@ def save_checkpoint(path: str | Path, model, *, optimizer=None, meta: dict,
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         replace(tmp, path, kind="mcore")  # never deletes a directory marsrl did not write
     _barrier()
+
+
+def _in_process_write_results() -> None:
+    """Megatron's torch_dist writer (FileSystemWriterAsync, megatron-core 0.19) returns each
+    rank's write results through a ``multiprocessing.Manager().Queue()`` made on the first save
+    from a *spawn* context: a server process and a resource tracker per rank (~600 MB resident),
+    which outlive a rank that leaves without finalizers (os._exit, SIGKILL) as orphans. Our saves
+    are synchronous (``dist_checkpointing.save`` writes in this process, with threads), so an
+    in-process queue does the same job and no process is started. Delete when Megatron's sync
+    save stops creating the Manager (filesystem_async.get_write_results_queue)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_checkpoint(path: str | Path, model, *, optimizer=None) -> dict:

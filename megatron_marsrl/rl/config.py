@@ -140,7 +140,8 @@ class RunConfig:
     sync_probe: bool = True
     """After each weight sync, check on a few tokens that the engine matches Megatron."""
     progress: bool = True
-    """Console progress bar with the key figures."""
+    """Progress bar with the key figures, when the console is a terminal (a line per step is
+    printed either way)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "keep_checkpoints"):

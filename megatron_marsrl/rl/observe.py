@@ -1,4 +1,5 @@
-"""TensorBoard scalars, a JSONL metrics log and the console progress bar (rank 0 only)."""
+"""TensorBoard scalars, a JSONL metrics log and the console (rank 0 only): a progress bar,
+one summary line per step and per evaluation, and the end-of-run results table."""
 from __future__ import annotations
 
 import json
@@ -6,15 +7,31 @@ import logging
 import math
 from pathlib import Path
 
+from megatron_marsrl.rl.console import terminal
+
 log = logging.getLogger(__name__)
 
 KEY_FIGURES = {"rollout/solver/reward_mean": "solver", "rollout/verifier/reward_mean": "verifier",
                "rollout/corrector/reward_mean": "corrector", "time/step": "s/step"}
+# The per-step summary line: rewards, then the update, then the time.
+STEP_FIGURES = {"rollout/solver/reward_mean": "solver", "rollout/verifier/reward_mean": "verifier",
+                "rollout/corrector/reward_mean": "corrector", "train/loss": "loss", "shared/grad_norm": "grad_norm",
+                "time/step": "s"}
+# The results table's last-step figures (held-out evaluation rows come from the eval/ keys).
+FINAL_FIGURES = {"rollout/solver/reward_mean": "solver reward_mean", "rollout/solver/accuracy": "solver accuracy",
+                 "rollout/verifier/reward_mean": "verifier reward_mean",
+                 "rollout/verifier/accuracy": "verifier accuracy",
+                 "rollout/corrector/reward_mean": "corrector reward_mean",
+                 "rollout/corrector/accuracy": "corrector accuracy", "train/loss": "train loss",
+                 "shared/grad_norm": "grad norm", "time/step": "seconds per step",
+                 "throughput/rollout_tokens_per_s": "rollout tokens/s"}
+ROLE_ORDER = ("solver", "verifier", "corrector")
+EVAL_ORDER = ("reward_mean", "accuracy")
 
 
 class Observer:
     """Writes every finite scalar of a step to TensorBoard (run_dir/tensorboard) and to
-    run_dir/metrics.jsonl, and shows the key figures on a progress bar."""
+    run_dir/metrics.jsonl, and shows the key figures on the console (rl/console.py)."""
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, progress: bool):
         from torch.utils.tensorboard import SummaryWriter
@@ -31,11 +48,12 @@ class Observer:
             path.write_text("".join(f"{line}\n" for line in kept))
         self.jsonl = path.open("a")
         self.bar = None
-        if progress:
+        if progress and terminal().isatty():  # in a file or pipe the step lines say it all
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="marsrl train", unit="step",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, file=terminal())
+        self.total_steps = total_steps
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         scalars = {k: float(v) for k, v in metrics.items()
@@ -45,16 +63,75 @@ class Observer:
         self.writer.flush()
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self.jsonl.flush()
-        if self.bar is not None and not any(k.startswith("eval/") for k in scalars):
+        if any(k.startswith("eval/") for k in scalars):
+            self._say(eval_line(step, scalars))
+            return
+        self._say(step_line(step, self.total_steps, scalars))
+        if self.bar is not None:
             self.bar.set_postfix({short: f"{scalars[k]:.3g}" for k, short in KEY_FIGURES.items() if k in scalars},
                                  refresh=False)
             self.bar.update(1)
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=terminal())
+        else:
+            print(line, file=terminal(), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         self.writer.close()
         self.jsonl.close()
+
+
+def step_line(step: int, total: int, scalars: dict[str, float]) -> str:
+    """``step 12/60  solver -0.312  verifier 0.125  ...  s 1.23``."""
+    figures = "  ".join(f"{short} {scalars[k]:.3g}" for k, short in STEP_FIGURES.items() if k in scalars)
+    return f"step {step}/{total}  {figures}"
+
+
+def eval_line(step: int, scalars: dict[str, float]) -> str:
+    """``eval @ step 30  solver reward -0.1 acc 0.02  verifier ...``."""
+    parts = [f"{role} reward {scalars[f'eval/{role}/reward_mean']:.3g}"
+             + (f" acc {scalars[f'eval/{role}/accuracy']:.3g}" if f"eval/{role}/accuracy" in scalars else "")
+             for role in ROLE_ORDER if f"eval/{role}/reward_mean" in scalars]
+    return f"eval @ step {step}  " + "  ".join(parts)
+
+
+def results_table(run_dir: str | Path) -> str:
+    """The end-of-run table from run_dir/metrics.jsonl: held-out evaluation at the first and
+    the last evaluated step (when the run evaluates), then the last step's key figures."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+    steps = [r for r in records if "time/step" in r]
+    lines = []
+    if evals:
+        cols = [evals[0], evals[-1]] if len(evals) > 1 else evals[:1]
+        lines.append(_row("held-out evaluation", [f"step {r['step']}" for r in cols]))
+        for key in sorted({k for r in cols for k in r if k.startswith("eval/")}, key=_eval_order):
+            _, role, name = key.split("/", 2)
+            lines.append(_row(f"  {role} {name}", [_num(r.get(key)) for r in cols]))
+    if steps:
+        last = steps[-1]
+        lines.append(_row(f"last step ({last['step']})", []))
+        lines += [_row(f"  {label}", [_num(last[k])]) for k, label in FINAL_FIGURES.items() if k in last]
+    return "\n".join(lines)
+
+
+def _eval_order(key: str) -> tuple:
+    _, role, name = key.split("/", 2)
+    return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), role,
+            EVAL_ORDER.index(name) if name in EVAL_ORDER else len(EVAL_ORDER), name)
+
+
+def _row(label: str, cells: list[str]) -> str:
+    return f"{label:<30}" + "".join(f"{c:>12}" for c in cells)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def set_aside_old_logs(run_dir: str | Path) -> list[Path]:

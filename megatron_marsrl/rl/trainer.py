@@ -24,6 +24,7 @@ from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.parallel import init_parallel
+from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
 from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound
@@ -48,7 +49,7 @@ class Trainer:
         if not resume and checkpoint.latest(self.run_dir) is not None:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints of a run: pass --resume to continue "
                                   "it, or choose another run.output_dir (nothing was changed)")
-        _exit_with_launcher()
+        exit_with_launcher()  # ...taking every process this rank starts along
         self.hf_dir = self._initial_model()
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
@@ -420,23 +421,6 @@ class Trainer:
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
-
-
-def _exit_with_launcher() -> None:
-    """Exit when the launcher (torchrun) disappears, e.g. killed with SIGKILL: torchrun starts
-    ranks in their own sessions, so nothing else would stop them. Engines die with us."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                log.error("the launcher (pid %d) is gone; this rank exits", parent)
-                os._exit(1)
-
-    threading.Thread(target=watch, name="marsrl-launcher-watch", daemon=True).start()
 
 
 class StepAborted(RuntimeError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,41 @@ def test_train_end_to_end_embedded_engine(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+# Library chatter that belongs in <run>/train.log, not on the console.
+CHATTER = ("Params for bucket", "param.main_grad.dtype",  # Megatron's gradient-buffer lists
+           "OptimizerConfig(", "DistributedDataParallelConfig(",  # ...and config dumps
+           "Warning", "WARNING", "is not installed", "DEPRECATED", "Timeout is disabled")  # warnings, math-verify
+
+
+def test_console_shows_progress_and_results_and_the_log_keeps_the_rest(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, "run.steps=2", "run.eval_every=2", "run.checkpoint_every=0")
+    console = proc.stdout + proc.stderr
+    for chatter in CHATTER:
+        assert chatter not in console, (chatter, console[-3000:])
+    assert proc.stderr.strip() == ""  # rank 1 prints nothing, rank 0 nothing but stdout
+    lines = proc.stdout.splitlines()
+    for step in (1, 2):
+        assert any(line.startswith(f"step {step}/2  solver ") and " s " in line for line in lines), lines
+    # the held-out results table, before and after training
+    assert re.search(r"^held-out evaluation +step 0 +step 2$", proc.stdout, re.M), proc.stdout
+    for role in ROLES:
+        assert re.search(rf"^  {role} reward_mean +-?[\d.]+ +-?[\d.]+$", proc.stdout, re.M), proc.stdout
+    assert f"Log: {run / 'train.log'}" in proc.stdout
+    log = (run / "train.log").read_text()
+    for chatter in ("Params for bucket", "OptimizerConfig(", "is not installed", "Timeout is disabled"):
+        assert chatter in log, chatter
+    assert " rank0 " in log and " rank1 " in log  # every rank logs there
+
+    # A failing run shows its traceback and the log's path on the console.
+    failed = subprocess.run(_cmd(tmp_path / "failed", "run.steps=2", f"model.path={tmp_path / 'no_model'}"),
+                            capture_output=True, text=True, timeout=300, env=_env())
+    assert failed.returncode != 0
+    assert "in _initial_model" in failed.stderr  # the rank's traceback
+    assert "FileNotFoundError: model.path=" in failed.stderr
+    assert f"full log: {tmp_path / 'failed' / 'train.log'}" in failed.stderr
+
+
 @pytest.mark.slow
 def test_train_with_sglang_engine(tmp_path):
     run = tmp_path / "run"
@@ -118,10 +154,15 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     train(part, "run.steps=4", "run.checkpoint_every=2", "--resume")
     a, b = step_metrics(full), step_metrics(part)
     assert sorted(b) == [1, 2, 3, 4]
-    for step in (3, 4):
+    _assert_same_steps(a, b, (3, 4))
+
+
+def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
+    """The two runs' metrics of `steps` agree: rollouts exactly (same samples), training to fp tolerance."""
+    for step in steps:
         for key in ("rollout/samples", "rollout/pending_stage_inputs",
                     *(f"rollout/{r}/reward_mean" for r in ROLES), *(f"rollout/{r}/response_len" for r in ROLES)):
-            assert b[step][key] == a[step][key], (step, key)
+            assert b[step].get(key) == a[step].get(key), (step, key)
         for key in ("train/loss", "train/entropy", "shared/grad_norm"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
 
@@ -141,13 +182,17 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
     stopped_at = int(saved[0].split("_")[1])
     assert stopped_at == max(step_metrics(run))  # it finished the running step, then saved
 
-    # SIGKILL mid-run: the resumed run starts from the newest complete checkpoint.
+    # SIGKILL mid-run, after checkpoints: the resumed run starts from the newest complete one.
     proc = subprocess.Popen(_cmd(run, "run.steps=50", "run.checkpoint_every=1", "--resume"), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for(lambda: max(step_metrics(run)) >= stopped_at + 2, proc)
+    tree: dict[int, float] = {}  # every process of the run seen while it ran (pid -> start time)
+    _wait_for(lambda: _collect_tree(proc.pid, tree) and max(step_metrics(run)) >= stopped_at + 2, proc)
+    _collect_tree(proc.pid, tree)
+    assert len(tree) >= 3, tree  # torchrun and its two ranks, at least
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher only: torchrun starts ranks in new sessions
     proc.wait(timeout=60)
     _wait_until_gone(run)  # ...and the ranks notice and exit
+    _assert_tree_gone(tree)  # ...with every process they started (checkpoint writers, engines)
     (ckpts / f".step_{stopped_at + 99:06d}.partial").mkdir()  # as if killed while saving
     last = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*") if (p / "trainer_state.json").exists())
     assert last >= stopped_at + 1
@@ -156,6 +201,54 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
                if "train/loss" in line]
     assert resumed[-1] == last + 1  # exactly the one step after the last complete checkpoint
     assert not list(ckpts.glob(".*.partial"))  # the next save cleared the leftover
+    # Stopped by SIGTERM, killed by SIGKILL, resumed twice: the same run as an uninterrupted one.
+    full = tmp_path / "full"
+    train(full, f"run.steps={last + 1}", "run.checkpoint_every=1")
+    a, b = step_metrics(full), step_metrics(run)
+    assert sorted(b) == sorted(a) == list(range(1, last + 2))
+    _assert_same_steps(a, b, range(1, last + 2))
+
+
+def _collect_tree(pid: int, tree: dict[int, float]) -> bool:
+    """Add `pid` and every process below it to `tree` (pid -> create time); True."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return True
+    for p in procs:
+        try:
+            tree.setdefault(p.pid, p.create_time())
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def _assert_tree_gone(tree: dict[int, float], grace: float = 30) -> None:
+    """No process of `tree` is alive after `grace` seconds (a reused pid does not count)."""
+    import psutil
+
+    def alive() -> list[psutil.Process]:
+        out = []
+        for pid, created in tree.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.time() + grace
+    while alive() and time.time() < deadline:
+        time.sleep(0.5)
+    left = alive()
+    described = [f"{p.pid} ppid={p.ppid()} {' '.join(p.cmdline())[:120]}" for p in left]
+    for p in left:
+        p.kill()
+    assert not left, f"processes of the killed run outlived it: {described}"
 
 
 def _wait_until_gone(run: Path, timeout: float = 30) -> None:
