@@ -80,7 +80,8 @@ class Completion:
     logprobs: list[float] | None = None
     """Per-token log-probs of `token_ids` under the sampling engine, when reported."""
     token_versions: list[int] | None = None
-    """Weight version that generated each of `token_ids` (segment rollout spans versions)."""
+    """Weight version the engine generated each of `token_ids` with, as the engine reported it
+    (segment rollout spans versions)."""
     routed_experts: object | None = None
     """MoE routing the engine used for prompt + output tokens (an int tensor [tokens-1, layers,
     top_k]) when routing replay is on; opaque to the agents."""

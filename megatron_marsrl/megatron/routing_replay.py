@@ -92,6 +92,7 @@ def _replay_class():
             self.layout = _layout(router)
             self.current: torch.Tensor | None = None
             self.recompute: list[torch.Tensor | None] = []
+            self.replayed = 0  # tokens routed from a record in forwards (not recomputes), see replayed_tokens
 
         def push(self, experts: torch.Tensor | None) -> None:
             self.current = experts
@@ -108,6 +109,8 @@ def _replay_class():
             if target.shape[1] != topk:
                 raise RoutingReplayError(f"layer {self.layer_number}: record has top-{target.shape[1]}, router top-{topk}")
             missing = (target < 0).any(dim=1, keepdim=True)
+            if not _in_backward():
+                self.replayed += int((~missing).sum())
             if bool(missing.any()):
                 _, own = default_compute_topk(scores, topk, num_groups, group_topk)
                 target = torch.where(missing, own, target)
@@ -173,6 +176,16 @@ def set_routed_experts(model, routed: torch.Tensor | None) -> None:
         _validate(routed, replays, router.config.num_moe_experts)
     for replay in replays:
         replay.push(None if routed is None else routed[:, :, replay.layer_number - 1])
+
+
+def replayed_tokens(model) -> int:
+    """Router inputs (token x MoE layer) of ``model``'s forwards whose experts came from a
+    record since the last call; resets the count."""
+    replays = _replays(model, install=False)
+    count = sum(r.replayed for r in replays)
+    for replay in replays:
+        replay.replayed = 0
+    return count
 
 
 def clear_routed_experts(model) -> None:

@@ -130,6 +130,12 @@ def _engines_of_policy(config: TrainConfig, index: int):
 
 
 def sample_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Rollout statistics of a step under "rollout/"."""
-    return {f"rollout/{k}": v for k, v in role_metrics(samples).items()}
+    """Rollout statistics of a step under "rollout/"; `engine_version_min/max`: the weight
+    versions the engines reported for the step's tokens (the step's own version unless
+    segment rollout carried samples over from earlier steps)."""
+    out = {f"rollout/{k}": v for k, v in role_metrics(samples).items()}
+    versions = [v for s in samples for v in s.metadata.get("token_versions") or ()]
+    if versions:
+        out["rollout/engine_version_min"], out["rollout/engine_version_max"] = min(versions), max(versions)
+    return out
 

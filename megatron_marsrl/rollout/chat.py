@@ -28,7 +28,8 @@ class EngineChatGenerator:
                  segment_tokens: int | None = None, gate=None, routed_experts: bool = False):
         """`segment_tokens` + `gate` (segment rollout): generate at most that many tokens per
         RL step; an unfinished output waits at `gate.wait()` for the next step's weights and
-        continues from where it stopped. Completions then carry each token's weight version."""
+        continues from where it stopped. Completions carry each token's weight version (the
+        engine's own record), with or without segments."""
         if (segment_tokens is None) != (gate is None):
             raise ValueError("segment rollout needs both segment_tokens and a gate")
         self.segment_tokens, self.gate, self.routed_experts = segment_tokens, gate, routed_experts
@@ -82,8 +83,7 @@ class EngineChatGenerator:
                 logps += out.logprobs
                 versions += [out.weight_version] * len(out.output_ids)
                 if out.finish_reason != "length" or len(out_ids) >= max_new or not self.segment_tokens:
-                    completion = self._completion(ids, out_ids, logps, out.finish_reason,
-                                                  versions if self.segment_tokens else None)
+                    completion = self._completion(ids, out_ids, logps, out.finish_reason, versions)
                     # the last request covered prompt + all output: its record spans every token
                     completion.routed_experts = out.routed_experts
                     return completion

@@ -36,6 +36,15 @@ def mixed_respond():
     return respond
 
 
+def expected_reward(s: Sample) -> float:
+    """The MarsRL reward of a sample of `mixed_respond` on PROBLEM (2+3), from its own text."""
+    if s.role == "verifier":
+        judged_right = re.findall(r"\\boxed\{(\d+)\}", s.inputs["solution"])[-1] == "5"
+        said_right = {"Verdict: Correct": True, WRONG_REVIEW: False}[s.response]
+        return 1.0 if said_right == judged_right else 0.0
+    return 1.0 if re.fullmatch(r".*\\boxed\{5\}", s.response, re.S) else 0.0
+
+
 def rollout(respond=None, **cfg) -> tuple[GroupedRollout, ScriptedGenerator]:
     gen = ScriptedGenerator(respond=respond or mixed_respond())
     config = RolloutConfig(**{"group_size": 4, "inputs_per_stage": 2, "max_stages": 5, "seed": 0, **cfg})
@@ -58,8 +67,10 @@ def test_trajectory_structure_and_links():
     assert len(by_id) == sum(len(g.samples) for g in groups)  # ids are unique
     for g in groups:
         assert len(g.samples) == 4 and len({s.prompt for s in g.samples}) == 1  # one input per group
-        assert all(s.reward in (0.0, 1.0) and s.group_id == g.group_id and s.turn == g.turn for s in g.samples)
-        assert len([x for x in groups if x.turn == g.turn]) <= 2 if g.turn else True  # k inputs per stage
+        assert all(s.group_id == g.group_id and s.turn == g.turn for s in g.samples)
+        # each sample's reward, worked out from what the script made it say (answer 5 is right)
+        assert [s.reward for s in g.samples] == [expected_reward(s) for s in g.samples]
+        assert len([x for x in groups if x.turn == g.turn]) <= (2 if g.turn else 1)  # k inputs per stage
         if g.turn == 0:
             continue
         parent = by_id[g.input_sample_id]
@@ -70,6 +81,7 @@ def test_trajectory_structure_and_links():
         else:  # the corrector gets the judged solution and the review that flagged it
             assert parent.parsed == "wrong" and inputs["report"] == parent.passed_on
             assert inputs["solution"] == parent.inputs["solution"]
+    assert {s.reward for g in groups for s in g.samples} == {0.0, 1.0}  # both outcomes were scored
     assert len(gen.requests) == len(groups) and all(r.n == 4 for _, r in gen.requests)
 
 

@@ -176,3 +176,19 @@ def test_launch_scripts_name_recipes_that_exist(script):
         assert f"qwen3_30b_a3b_h100x{int(nodes) * 8}" in RECIPES
     for literal in re.findall(r"qwen3_30b_a3b_h100x\d+", text):
         assert literal in RECIPES
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_RECIPES))
+def test_recipe_kv_pool_bytes_from_the_model_shape(name):
+    # KV bytes per token worked out here from config.json (K and V, every layer, the KV heads one
+    # engine GPU holds, bf16) x the recipe's pool, not taken from the estimator
+    arch, config = QWEN3_30B_A3B_THINKING_2507, get_recipe(name)
+    heads_per_gpu = -(-arch["num_key_value_heads"] // config.engine.tp_size)  # replicated past TP4
+    per_token = 2 * arch["num_hidden_layers"] * heads_per_gpu * arch["head_dim"] * 2
+    kv_gib = config.engine.max_total_tokens * per_token / 2**30
+    result = plan(config, nodes=_nodes(name), gpus_per_node=8)
+    reported = float(re.search(r"^SGLang KV cache\s+[\d.]+\s+([\d.]+)$", result.report, re.M).group(1))
+    assert reported == pytest.approx(kv_gib, abs=0.005)
+    # the pool fits the budget: everything else at the train + generate peak, plus this KV, leaves the reserve
+    at_once = float(re.search(r"train \+ generate at once.*: ([\d.]+) GiB", result.report).group(1))
+    assert at_once - reported + kv_gib <= 80.0 - 6.0

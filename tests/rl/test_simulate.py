@@ -1,10 +1,11 @@
-"""The step-time simulator and `marsrl bench pipeline --simulate`."""
+"""The step-time simulator and `marsrl bench pipeline` (--simulate, and the measured mode with its runs stubbed)."""
 import argparse
 import json
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,16 +111,41 @@ def test_command_flags_and_set_overrides_reach_the_config(tmp_path, capsys):
     assert result["config"]["problems_per_step"] == 8 and result["speedup"]["sync"] == 1.0
 
 
-def test_command_reports_bad_values_and_the_missing_real_mode(capsys):
+def test_command_reports_bad_values(capsys):
     command, args = _cli_args("--simulate", "--set", "group_size=0")
     assert command.run(args) == 2
     assert "group_size=0" in capsys.readouterr().err
-    command, args = _cli_args()
-    try:
-        import megatron_marsrl.rl.bench_real  # noqa: F401
-    except ModuleNotFoundError:
-        assert command.run(args) == 2
-        assert "use --simulate" in capsys.readouterr().err
+
+
+def test_measured_mode_trains_each_mode_and_reports_medians_and_speedups(tmp_path, monkeypatch, capsys):
+    # the training runs are stubbed: each mode gets three step records (first step already dropped)
+    from megatron_marsrl.rl import bench_throughput
+
+    calls = []
+
+    def train_steps(recipe, overrides, run_dir, *, label):
+        calls.append((recipe, overrides, Path(run_dir).name))
+        rate = 10.0 * len(calls)  # sync 10, sync+overlap 20, pipeline+overlap 30 (+1 median offset)
+        return [{"throughput/samples_per_s": rate + k, "time/step": 2.0 + k, "time/train_idle_fraction": 0.1,
+                 "time/overlap_fraction": 0.5, "time/rollout": 1.0, "time/train": 1.0} for k in (0.0, 1.0, 5.0)]
+
+    monkeypatch.setattr(bench_throughput, "train_steps", train_steps)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run directories' parent
+    command, args = _cli_args("--recipe", "tiny_arithmetic", "--override", "rollout.group_size=2", "--steps", 4,
+                              "--json", tmp_path / "real.json")
+    assert command.run(args) == 0
+    assert [c[2] for c in calls] == ["sync", "sync_overlap", "pipeline_overlap"]
+    for (recipe, overrides, _), mode in zip(calls, ("sync", "sync", "pipeline")):
+        assert recipe == "tiny_arithmetic" and f"pipeline.mode={mode}" in overrides
+        assert "rollout.group_size=2" in overrides and "run.steps=4" in overrides
+    assert "scheduler.overlap=false" in calls[0][1] and "scheduler.overlap=true" in calls[1][1]
+    result = json.loads((tmp_path / "real.json").read_text())
+    assert result["steps"] == 4 and list(result["modes"]) == ["sync", "sync+overlap", "pipeline+overlap"]
+    rows = result["modes"]
+    assert [rows[m]["throughput/samples_per_s"] for m in rows] == [11.0, 21.0, 31.0]  # medians
+    assert [rows[m]["time/step"] for m in rows] == [3.0, 3.0, 3.0]
+    assert [rows[m]["speedup_samples_per_s"] for m in rows] == pytest.approx([1.0, 21 / 11, 31 / 11])
+    assert "pipeline+overlap" in capsys.readouterr().out
 
 
 def test_cli_subprocess_prints_json():
