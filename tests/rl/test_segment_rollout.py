@@ -30,15 +30,28 @@ class RandomLengthPool:
                             finish_reason="stop" if token == EOS else "length", weight_version=self.weight_version)
 
 
-def test_groups_finish_across_steps_and_train_only_current_tokens(tmp_path):
+def _driver(tmp_path, pool: RandomLengthPool) -> RolloutDriver:
     tokenizer = arithmetic.build_tokenizer(tmp_path)
-    pool, gate = RandomLengthPool(), StepGate()
+    gate = StepGate()
     generators = {r: EngineChatGenerator(pool, tokenizer, segment_tokens=1, gate=gate)
                   for r in ("solver", "verifier", "corrector")}
     config = RolloutConfig(group_size=8, inputs_per_stage=2, max_stages=3,
                            sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=3))
-    driver = RolloutDriver(GroupedRollout(roles=arithmetic.ROLES, generators=generators, config=config),
-                           mode="pipeline", gate=gate)
+    return RolloutDriver(GroupedRollout(roles=arithmetic.ROLES, generators=generators, config=config),
+                         mode="pipeline", gate=gate)
+
+
+def _run_step(driver: RolloutDriver, step: int, problems: list[Problem]) -> list:
+    driver.start_step(step, problems)
+    groups = []
+    while (unit := driver.next_unit(timeout=60)) is not None:
+        groups += unit
+    return groups
+
+
+def test_groups_finish_across_steps_and_train_only_current_tokens(tmp_path):
+    pool = RandomLengthPool()
+    driver = _driver(tmp_path, pool)
     problems = [Problem(id=f"p{i}", problem="What is 3 + 4?", answer="7") for i in range(6)]
     seen, mixed = set(), 0
     try:
@@ -64,3 +77,26 @@ def test_groups_finish_across_steps_and_train_only_current_tokens(tmp_path):
     solver_groups = [g for g in seen if "/solver/" in g]
     assert len(solver_groups) == len(problems)  # every solver group finished within 3 steps
     assert mixed > 0
+
+
+def test_stages_in_flight_at_a_checkpoint_are_regenerated_after_resume(tmp_path):
+    """A checkpoint between steps saves the stages still generating as their inputs; a driver
+    resumed from it finishes them (from their start) without new problems."""
+    problems = [Problem(id=f"p{i}", problem="What is 3 + 4?", answer="7") for i in range(4)]
+    pool = RandomLengthPool()
+    driver = _driver(tmp_path, pool)
+    try:
+        finished = _run_step(driver, 0, problems)  # 1-token segments: groups of 8 rarely end at once
+        state = driver.state_dict()
+    finally:
+        driver.close()
+    in_flight = {(p["problem"]["id"], p["turn"]) for p in state["pending"]}
+    assert in_flight and all(turn == 0 for _, turn in in_flight)
+    assert in_flight | {(g.problem_id, 0) for g in finished if "/solver/" in g.group_id} == {(p.id, 0) for p in problems}
+    resumed = _driver(tmp_path, pool)
+    resumed.load_state_dict(state)
+    try:
+        groups = [g for step in range(1, 5) for g in _run_step(resumed, step, [])]
+    finally:
+        resumed.close()
+    assert {(g.problem_id, 0) for g in groups if "/solver/" in g.group_id} == in_flight

@@ -310,7 +310,7 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     assert sum(m["rollout/continued_samples"] for m in metrics.values()) > 0  # ...they finished later
     trained = [m for m in metrics.values() if "train/loss" in m]
     assert trained and all(math.isfinite(m["train/loss"]) for m in trained)
-    # resuming mid-flight regenerates in-flight stages from their start instead of losing them
+    # --resume mid-flight runs on (test_segment_rollout.py checks that in-flight stages are regenerated)
     train(run, "run.steps=5", "run.checkpoint_every=0", "pipeline.segment_tokens=1", "--resume")
     assert 5 in step_metrics(run)
 
