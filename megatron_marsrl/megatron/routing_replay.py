@@ -38,6 +38,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 
 ROUTED_EXPERTS_KEY = "routed_experts"
 NO_ROUTING = -1
@@ -92,7 +93,7 @@ def _replay_class():
             self.layout = _layout(router)
             self.current: torch.Tensor | None = None
             self.recompute: list[torch.Tensor | None] = []
-            self.replayed = 0  # tokens routed from a record in forwards (not recomputes), see replayed_tokens
+            self.replayed = 0  # tokens routed from a record in forwards (not recomputes), see replay_coverage
 
         def push(self, experts: torch.Tensor | None) -> None:
             self.current = experts
@@ -178,14 +179,25 @@ def set_routed_experts(model, routed: torch.Tensor | None) -> None:
         replay.push(None if routed is None else routed[:, :, replay.layer_number - 1])
 
 
-def replayed_tokens(model) -> int:
-    """Router inputs (token x MoE layer) of ``model``'s forwards whose experts came from a
-    record since the last call; resets the count."""
+def replay_coverage(model, routed: torch.Tensor) -> float:
+    """Share of ``routed``'s entries (token x MoE layer with a record; one micro-batch's batch
+    value) that ``model``'s routers took from the record in forwards since the last call, which
+    resets the count. Counted over this stage's layers; with sequence parallelism each TP rank
+    routes its own chunk of the tokens, so the ranks' counts are summed. 0 when nothing was
+    recorded for this stage; 1 when every recorded choice was replayed."""
+    from megatron.core import parallel_state as ps
+
     replays = _replays(model, install=False)
-    count = sum(r.replayed for r in replays)
+    if not replays:
+        return 0.0
+    replayed = torch.tensor(float(sum(r.replayed for r in replays)))
     for replay in replays:
         replay.replayed = 0
-    return count
+    if any(r.layout[2] for r in replays):
+        dist.all_reduce(replayed, group=ps.get_tensor_model_parallel_group())
+    layers = [r.layer_number - 1 for r in replays]
+    recorded = int((routed[:, :, layers] >= 0).all(-1).sum())
+    return float(replayed) / recorded if recorded else 0.0
 
 
 def clear_routed_experts(model) -> None:

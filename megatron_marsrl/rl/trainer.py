@@ -248,7 +248,7 @@ class Trainer:
     def _run_round(self, policy: str, payload: list, acc: MetricSums) -> None:
         from megatron.core import parallel_state as ps
 
-        from megatron_marsrl.megatron.routing_replay import replayed_tokens
+        from megatron_marsrl.megatron.routing_replay import replay_coverage
 
         mine = payload[ps.get_data_parallel_rank()]
         real = bool(mine)
@@ -266,10 +266,9 @@ class Trainer:
         # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)
         acc.add_units(policy, metrics.pop("aggregation_units"), metrics.pop("loss"))
         if real:
-            # routed (token x layer) entries taken from the engine's record / those it recorded
-            # (equal when every recorded layer is an MoE layer of this stage, as in the tests)
-            recorded = int((batch["routed_experts"] >= 0).all(-1).sum()) if "routed_experts" in batch else 0
-            metrics["routing_replayed"] = replayed_tokens(actor.module) / recorded if recorded else 0.0
+            # the share of the engine's routing record that this stage's routers replayed
+            metrics["routing_replayed"] = (replay_coverage(actor.module, batch["routed_experts"])
+                                           if "routed_experts" in batch else 0.0)
             acc.add(weigh(metrics, batch["response_mask"], batch["role_index"]))
 
     def _loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor | None, batch: dict):

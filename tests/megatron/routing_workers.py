@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from megatron_marsrl.megatron.forward import token_logprobs
+from megatron_marsrl.megatron.routing_replay import replay_coverage
 from megatron_marsrl.megatron.verify import build_from_hf
 
 SEQ = 12  # 11 inputs: TP2 pads one position (replayed as the router's own choice)
@@ -66,6 +67,7 @@ def forced_routing(hf_dir: str, layout: dict) -> dict:
     tokens = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
     routed = random_routing(2, SEQ - 1, arch.num_layers, arch.moe_topk, arch.num_experts, seed=4)
     replayed = token_logprobs(model, [tokens], routed_experts=[routed])[0].cpu()
+    coverage = replay_coverage(model, routed)  # the share of the record this rank's routers replayed
     own = token_logprobs(model, [tokens])[0].cpu()
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -75,7 +77,7 @@ def forced_routing(hf_dir: str, layout: dict) -> dict:
     return {"forced_vs_hf": float((replayed - ref_forced).abs().max()),
             "own_vs_hf": float((own - ref_own).abs().max()),
             "forcing_moves": float((ref_forced - ref_own).abs().max()),
-            "replay_own_vs_own": float((replay_own - own).abs().max())}
+            "replay_own_vs_own": float((replay_own - own).abs().max()), "coverage": coverage}
 
 
 def _hf_record(hf, tokens: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ def test_replay_equals_forced_hf_routing(tiny_hf, layout):
         assert r["forced_vs_hf"] < 1e-5, r
         assert r["own_vs_hf"] < 1e-5, r
         assert r["replay_own_vs_own"] < 1e-6, r
+        assert r["coverage"] == 1.0, r  # every recorded choice of this stage's layers was replayed
 
 
 @pytest.mark.parametrize("recompute", [None, "full"])
