@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_marsrl.net import free_port
+from megatron_marsrl.procs import set_parent_death_signal
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
 from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError, sglang_dtype
 
@@ -109,12 +110,7 @@ def is_loopback(host: str) -> bool:
 
 def _die_with_parent() -> None:
     os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    set_parent_death_signal(signal.SIGTERM)
 
 
 class _Spawner:
