@@ -8,6 +8,7 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
     marsrl train --recipe tiny_arithmetic   # the embedded CPU main job: RL on 2 CPU ranks
     marsrl selfcheck                 # HF <-> Megatron round trip with logit parity (TP2/EP2/PP2)
     marsrl convert hf-to-mcore ...   # also tools/convert_hf_to_mcore.py
+    marsrl convert gguf-to-hf ...    # a GGUF file -> HF checkpoint (weights, tokenizer, chat template)
     marsrl bench convert ...         # conversion/export throughput
     marsrl solve / marsrl eval       # the Solver-Verifier-Corrector system on a dataset
 """
@@ -23,6 +24,7 @@ from megatron_marsrl import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("megatron_marsrl.commands.selfcheck", "tiny Qwen3-MoE HF -> Megatron (TP2/EP2/PP2) -> HF round trip with logit parity"),
     "convert hf-to-mcore": ("megatron_marsrl.commands.convert_hf_to_mcore", "convert a HF safetensors checkpoint to a Megatron torch_dist checkpoint"),
+    "convert gguf-to-hf": ("megatron_marsrl.commands.convert_gguf_to_hf", "convert a GGUF file (e.g. a llama.cpp model) to an HF checkpoint with its tokenizer and chat template"),
     "convert mcore-to-hf": ("megatron_marsrl.commands.convert_mcore_to_hf", "convert a Megatron torch_dist checkpoint back to HF safetensors"),
     "bench convert": ("megatron_marsrl.commands.bench_convert", "HF load / export throughput (GB/s) versus a raw safetensors read"),
     "bench weight-sync": ("megatron_marsrl.commands.bench_weight_sync", "Megatron -> engine weight sync (GB/s) versus an in-memory copy"),

