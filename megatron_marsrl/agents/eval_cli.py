@@ -10,6 +10,7 @@ precision / recall on wrong solutions and the Corrector's fix rate. See
     marsrl eval --input ../shared/data/aime2025.jsonl --solver-url http://127.0.0.1:30000 \\
         --k 32 --output runs/aime_eval.jsonl [--resume]
     marsrl eval --input ../shared/data/aime2025.jsonl --output runs/aime_eval.jsonl --score-only
+    marsrl eval --input ../shared/data/aime2025.jsonl --serve outputs/smollm2_hf --output runs/smol.jsonl
 
 Metrics are printed and written as JSON to --metrics (default: OUTPUT.metrics.json).
 """
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 from megatron_marsrl.agents.metrics import annotate, compute_metrics, format_metrics
-from megatron_marsrl.agents.solve_cli import ResultsFile, add_run_arguments, read_problems, run_rows
+from megatron_marsrl.agents.solve_cli import ResultsFile, add_run_arguments, read_problems, run_rows, serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         todo = [r for r in rows if r.id not in done]
         print(f"eval: {len(todo)} problems to run ({len(done)} already in {args.output}), "
               f"k={args.runs}", file=sys.stderr)
-        rc, _ = asyncio.run(run_rows(args, todo, results))
+        with serving(args):
+            rc, _ = asyncio.run(run_rows(args, todo, results))
         if rc != 0:
             return rc
     references = {r.id: r.answer for r in rows}

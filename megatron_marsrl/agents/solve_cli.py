@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +51,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--limit", type=int, help="only the first N problems of --input")
     io.add_argument("--concurrency", type=int, default=8, help="problems in flight at once (default 8)")
     ep = parser.add_argument_group("endpoints (OpenAI-compatible)")
+    ep.add_argument("--serve", type=Path, metavar="HF_DIR",
+                    help="start SGLang's OpenAI-compatible server for this local HF checkpoint on 127.0.0.1 "
+                         "(stopped at exit) and use it for every role, instead of the --*-url options")
     ep.add_argument("--solver-url", help="Solver server, e.g. http://127.0.0.1:30000")
     ep.add_argument("--verifier-url", help="Verifier server (default: --solver-url)")
     ep.add_argument("--corrector-url", help="Corrector server (default: --verifier-url)")
@@ -73,6 +77,30 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     loop.add_argument("--max-rounds", type=int, default=40, help="most verifications per run")
     for slot in SLOTS:
         loop.add_argument(f"--{slot}-role", default=slot, help=f"role for the {slot} slot: name or pkg.module:attr")
+
+
+@contextlib.contextmanager
+def serving(args: argparse.Namespace):
+    """With ``--serve HF_DIR``: SGLang's own server (``sglang.launch_server``, tokenizer and chat
+    template loaded) for that checkpoint on loopback while the block runs; every role calls it
+    through the same OpenAI-compatible client as a remote cluster endpoint."""
+    if args.serve is None:
+        yield
+        return
+    if args.solver_url or args.verifier_url or args.corrector_url:
+        raise SystemExit("error: --serve starts its own server; drop --solver-url/--verifier-url/--corrector-url")
+    from megatron_marsrl.rollout.sglang_server import EngineStartError, SGLangServer, SGLangServerConfig
+
+    try:
+        server = SGLangServer(SGLangServerConfig(model_path=str(args.serve), openai_api=True)).start()
+    except (FileNotFoundError, EngineStartError) as exc:
+        raise SystemExit(f"error: --serve {args.serve}: {exc}") from exc
+    print(f"serving {args.serve} with SGLang at {server.url} (log {server.log_path})", file=sys.stderr)
+    args.solver_url = server.url
+    try:
+        yield
+    finally:
+        server.stop()
 
 
 def endpoint_configs(args: argparse.Namespace) -> dict[str, EndpointConfig]:
@@ -223,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         rows = [p for p in read_problems(args.input, args.limit) if p.id not in done]
         if done:
             print(f"resuming: {len(done)} problems already in {args.output}, {len(rows)} to go", file=sys.stderr)
-    rc, records = asyncio.run(run_rows(args, rows, results))
+    with serving(args):
+        rc, records = asyncio.run(run_rows(args, rows, results))
     if args.problem is not None and records:
         print(records[0]["final_answer"])  # the one answer on stdout; the trajectory is in --output
     return rc

@@ -78,6 +78,10 @@ class SGLangServerConfig:
     """``--enable-deterministic-inference``: per-request seeds are honoured (GPU attention backends
     only; SGLang 0.5.23 refuses CPU's torch_native)."""
     seed: int = 0
+    openai_api: bool = False
+    """Load the model's tokenizer so the server's OpenAI-compatible text endpoints
+    (/v1/chat/completions, with the checkpoint's chat template) work, for `marsrl eval --serve`;
+    the trainer sends token ids and leaves the tokenizer out (``--skip-tokenizer-init``)."""
     quantization: str | None = None
     """None or "fp8": FP8 weights, re-quantized on every weight update (GPU only; rollout/fp8.py)."""
     log_dir: str | None = None
@@ -168,7 +172,7 @@ class SGLangServer:
         self.url = f"http://{cfg.host}:{port}"
         on_cpu = not torch.cuda.is_available()
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
-               "--port", str(port), "--skip-tokenizer-init", "--max-total-tokens", str(cfg.max_total_tokens),
+               "--port", str(port), "--max-total-tokens", str(cfg.max_total_tokens),
                "--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size), "--dp-size", str(cfg.dp_size),
                "--random-seed", str(cfg.seed), "--log-level", "warning",
                "--dtype", sglang_dtype(cfg.dtype)]
@@ -179,6 +183,8 @@ class SGLangServer:
             env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         else:
             cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+        if not cfg.openai_api:
+            cmd += ["--skip-tokenizer-init"]
         if cfg.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.enable_return_routed_experts:

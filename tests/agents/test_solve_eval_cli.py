@@ -17,10 +17,10 @@ LOOP = ["--accept-after", "2", "--max-failures", "2", "--retries", "1", "--retry
         "--concurrency", "1"]
 
 
-def marsrl(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
+def marsrl(*args: str | Path, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "megatron_marsrl", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"marsrl {args} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
