@@ -1,6 +1,10 @@
 """The embedded CPU task: Solver, Verifier and Corrector on small integer arithmetic.
 
-It exists so the whole RL system (agentic pipeline, scheduler, Megatron, rollout engine,
+Two role sets: `ROLES` for the tiny model of the embedded main job, and `CHAT_ROLES` for a real
+instruct model (task "arithmetic_chat", e.g. SmolLM2 in the `smollm2_arithmetic` recipe):
+plain-English requests rendered with the model's own chat template.
+
+The tiny main job exists so the whole RL system (agentic pipeline, scheduler, Megatron, rollout engine,
 weight sync, checkpoints) can train for real on a 2-core machine in minutes and show
 rewards rising. Three things differ from the MarsRL math task, all for speed:
   * a word-level tokenizer of ~40 tokens (digits one token each), so a tiny randomly
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+import re
 from pathlib import Path
 
 from megatron_marsrl.agents.client import Message
@@ -113,3 +118,51 @@ CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
                  build_prompt=_prompt("fix : {problem} = {solution} {report} ="), parse_output=parse_answer,
                  reward=answer_reward)
 ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR)
+
+
+# ---- CHAT_ROLES: the same task for a pretrained instruct model ------------------------------
+_NUMBER = re.compile(r"-?\d+")
+
+
+def parse_chat_answer(text: str, finish_reason: str = "stop") -> ParsedOutput:
+    """The last integer of a reply that ended by itself ("7 + 5 = 12." -> "12"). A reply cut
+    off at the token limit has no answer: short, finished replies are what the task asks for."""
+    if finish_reason == "length":
+        return ParsedOutput(value=None, status=ParseStatus.TRUNCATED, passed_on=text.strip())
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_ANSWER
+        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+    value = str(int(numbers[-1]))
+    return ParsedOutput(value=value, status=ParseStatus.OK, passed_on=value)
+
+
+def parse_chat_verdict(text: str, finish_reason: str = "stop") -> ParsedOutput:
+    """The first word, case and punctuation aside: "Yes" -> correct, "No" -> wrong."""
+    words = re.findall(r"[a-z]+", text.lower())
+    first = words[0] if words else ""
+    verdict = {"yes": Verdict.CORRECT, "no": Verdict.WRONG}.get(first)
+    if verdict is None:
+        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_VERDICT
+        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+    return ParsedOutput(value=verdict.value, status=ParseStatus.OK, passed_on=first)
+
+
+def _chat_judged_answer(solution: str) -> str | None:
+    return parse_chat_answer(solution).value
+
+
+CHAT_SOLVER = Role(name="solver", input_keys=("problem",),
+                   build_prompt=_prompt("{problem} Reply with the number only."),
+                   parse_output=parse_chat_answer, reward=answer_reward)
+CHAT_VERIFIER = Role(name="verifier", input_keys=("problem", "solution"),
+                     build_prompt=_prompt("Question: {problem}\nProposed answer: {solution}\n"
+                                          "Is the proposed answer correct? Reply yes or no."),
+                     parse_output=parse_chat_verdict,
+                     reward=functools.partial(verdict_reward, extract=_chat_judged_answer))
+CHAT_CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
+                      build_prompt=_prompt("Question: {problem}\nProposed answer: {solution}\n"
+                                           "A checker replied: {report}\nGive the correct answer. "
+                                           "Reply with the number only."),
+                      parse_output=parse_chat_answer, reward=answer_reward)
+CHAT_ROLES = RoleSet(solver=CHAT_SOLVER, verifier=CHAT_VERIFIER, corrector=CHAT_CORRECTOR)

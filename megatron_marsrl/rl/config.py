@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_marsrl import gguf
 from megatron_marsrl.agents.rollout import RolloutConfig
 from megatron_marsrl.algorithms.advantages import AdvantageConfig
 from megatron_marsrl.algorithms.losses import PolicyLossConfig
@@ -26,8 +27,9 @@ class ModelConfig:
     """The policy's starting weights and tokenizer."""
 
     path: str = ""
-    """Local HF checkpoint directory. "task" uses the task's own tiny model (built at start-up
-    under the run directory, see `TaskConfig`)."""
+    """Local HF checkpoint directory, or a .gguf file (converted at start-up with transformers'
+    GGUF loader into run_dir/initial_model, as `marsrl convert gguf-to-hf` does). "task" uses the
+    task's own tiny model (built at start-up under the run directory, see `TaskConfig`)."""
     dtype: str = "auto"
     """"auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
     moe_aux_loss_coeff: float = 0.0
@@ -36,6 +38,11 @@ class ModelConfig:
     """The model's HF config.json values, for planning without the checkpoint: `marsrl train
     --dry-run` reads the architecture from model.path/config.json when that file exists, else
     from this mapping (recipes for large models embed it); training always reads the file."""
+
+    @property
+    def built_at_start(self) -> bool:
+        """True when the run writes its starting HF checkpoint to run_dir/initial_model."""
+        return self.path == "task" or gguf.is_gguf(self.path)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -51,7 +58,8 @@ class TaskConfig:
     name: str = "math"
     """"math": the MarsRL roles (megatron_marsrl.agents.roles) on a JSONL dataset;
     "arithmetic": the embedded CPU task (compact roles, a word-level tokenizer and a tiny
-    Qwen3-MoE built for it, see megatron_marsrl.agents.arithmetic)."""
+    Qwen3-MoE built for it, see megatron_marsrl.agents.arithmetic); "arithmetic_chat": the same
+    problems for a pretrained instruct model (plain-English roles in its chat template)."""
     train: str = ""
     """Training problems: a JSONL path or a generator spec such as "arithmetic:train?n=256"."""
     eval: str = ""
@@ -62,8 +70,8 @@ class TaskConfig:
     """Overrides of the tiny model's HF config when model.path == "task" (e.g. hidden_size)."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("math", "arithmetic"):
-            raise ValueError(f"task.name={self.name!r}: use 'math' or 'arithmetic'")
+        if self.name not in ("math", "arithmetic", "arithmetic_chat"):
+            raise ValueError(f"task.name={self.name!r}: use 'math', 'arithmetic' or 'arithmetic_chat'")
         if not self.train:
             raise ValueError("task.train is empty: give a JSONL file or a generator spec like 'arithmetic:train'")
         if self.eval_size < 1:

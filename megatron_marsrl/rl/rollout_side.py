@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 
 def role_set(task: str):
     """The agents of a task."""
-    if task == "arithmetic":
-        from megatron_marsrl.agents.arithmetic import ROLES as ARITHMETIC_ROLES
+    if task in ("arithmetic", "arithmetic_chat"):
+        from megatron_marsrl.agents import arithmetic
 
-        return ARITHMETIC_ROLES
+        return arithmetic.ROLES if task == "arithmetic" else arithmetic.CHAT_ROLES
     from megatron_marsrl.agents.roles import RoleSet
 
     return RoleSet()

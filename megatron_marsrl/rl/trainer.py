@@ -89,19 +89,26 @@ class Trainer:
 
     # ---- set-up -----------------------------------------------------------------------
     def _initial_model(self) -> Path:
-        """The HF checkpoint training starts from (built on rank 0 for the embedded task)."""
-        if self.config.model.path != "task":
-            path = Path(self.config.model.path)
+        """The HF checkpoint training starts from: model.path, or one rank 0 writes to
+        run_dir/initial_model (the embedded task's tiny model, or a GGUF file converted)."""
+        source = self.config.model.path
+        if not self.config.model.built_at_start:
+            path = Path(source)
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model.path={str(path)!r} has no config.json; give a local HF "
-                                        "checkpoint directory (or 'task' for the task's tiny model)")
+                                        "checkpoint directory, a .gguf file, or 'task' for the task's tiny model")
             return path
         path = self.run_dir / "initial_model"
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 and not (path / "config.json").is_file():
-            from megatron_marsrl.agents import arithmetic
+            if source == "task":
+                from megatron_marsrl.agents import arithmetic
 
-            arithmetic.build_model(path, seed=self.config.run.seed, overrides=self.config.task.tiny_model)
+                arithmetic.build_model(path, seed=self.config.run.seed, overrides=self.config.task.tiny_model)
+            else:
+                from megatron_marsrl.gguf import gguf_to_hf
+
+                gguf_to_hf(source, path, log=log.info)
         deadline = time.time() + 300
         while not (path / "tokenizer_config.json").is_file():  # other ranks wait for rank 0
             if time.time() > deadline:
