@@ -18,8 +18,8 @@ about the judged answer, read with this task's parser).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_marsrl.agents.client import Message
@@ -69,6 +69,14 @@ def build_model(out_dir: str | Path, *, seed: int = 0, overrides: dict | None = 
     return path
 
 
+_VERDICT_WORDS = {"yes": Verdict.CORRECT, "no": Verdict.WRONG}
+
+
+def _unparsed(text: str, status: ParseStatus, passed_on: str) -> ParsedOutput:
+    """No value: EMPTY for a blank output, ``status`` otherwise."""
+    return ParsedOutput(value=None, status=ParseStatus.EMPTY if not text.strip() else status, passed_on=passed_on)
+
+
 def _words(text: str) -> list[str]:
     return text.replace("<eos>", " ").split()
 
@@ -82,8 +90,7 @@ def parse_answer(text: str, finish_reason: str = "stop") -> ParsedOutput:
             break
         digits.append(word)
     if not digits:
-        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_ANSWER
-        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+        return _unparsed(text, ParseStatus.NO_ANSWER, text.strip())
     value = "".join(digits)
     return ParsedOutput(value=value, status=ParseStatus.OK, passed_on=value)
 
@@ -92,10 +99,9 @@ def parse_verdict(text: str, finish_reason: str = "stop") -> ParsedOutput:
     """First word: "yes" -> correct, "no" -> wrong; anything else has no verdict."""
     words = _words(text)
     first = words[0] if words else ""
-    verdict = {"yes": Verdict.CORRECT, "no": Verdict.WRONG}.get(first)
+    verdict = _VERDICT_WORDS.get(first)
     if verdict is None:
-        status = ParseStatus.EMPTY if not words else ParseStatus.NO_VERDICT
-        return ParsedOutput(value=None, status=status, passed_on=first)
+        return _unparsed(" ".join(words), ParseStatus.NO_VERDICT, first)
     return ParsedOutput(value=verdict.value, status=ParseStatus.OK, passed_on=first)
 
 
@@ -131,8 +137,7 @@ def parse_chat_answer(text: str, finish_reason: str = "stop") -> ParsedOutput:
         return ParsedOutput(value=None, status=ParseStatus.TRUNCATED, passed_on=text.strip())
     numbers = _NUMBER.findall(text)
     if not numbers:
-        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_ANSWER
-        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+        return _unparsed(text, ParseStatus.NO_ANSWER, text.strip())
     value = str(int(numbers[-1]))
     return ParsedOutput(value=value, status=ParseStatus.OK, passed_on=value)
 
@@ -141,10 +146,9 @@ def parse_chat_verdict(text: str, finish_reason: str = "stop") -> ParsedOutput:
     """The first word, case and punctuation aside: "Yes" -> correct, "No" -> wrong."""
     words = re.findall(r"[a-z]+", text.lower())
     first = words[0] if words else ""
-    verdict = {"yes": Verdict.CORRECT, "no": Verdict.WRONG}.get(first)
+    verdict = _VERDICT_WORDS.get(first)
     if verdict is None:
-        status = ParseStatus.EMPTY if not text.strip() else ParseStatus.NO_VERDICT
-        return ParsedOutput(value=None, status=status, passed_on=text.strip())
+        return _unparsed(text, ParseStatus.NO_VERDICT, text.strip())
     return ParsedOutput(value=verdict.value, status=ParseStatus.OK, passed_on=first)
 
 

@@ -227,8 +227,7 @@ def train_steps(recipe: str, overrides: list[str], run_dir: Path, *, nproc_per_n
 def _arch(config, run_dir: Path):
     from megatron_marsrl.megatron.hf_config import ModelArch
 
-    path = run_dir / "initial_model" if config.model.built_at_start else Path(config.model.path)
-    return ModelArch.from_hf_dir(path)
+    return ModelArch.from_hf_dir(config.model.start_checkpoint(run_dir))
 
 
 _NOT_SCALARS = ("steps", "measured_steps", "device", "model")  # constants of the run: in the record only

@@ -7,6 +7,7 @@ command line and YAML files only override fields (`megatron_marsrl.rl.overrides`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_marsrl import gguf
 from megatron_marsrl.agents.rollout import RolloutConfig
@@ -43,6 +44,10 @@ class ModelConfig:
     def built_at_start(self) -> bool:
         """True when the run writes its starting HF checkpoint to run_dir/initial_model."""
         return self.path == "task" or gguf.is_gguf(self.path)
+
+    def start_checkpoint(self, run_dir: str | Path) -> Path:
+        """The HF checkpoint directory a run in ``run_dir`` starts from."""
+        return Path(run_dir) / "initial_model" if self.built_at_start else Path(self.path)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -92,13 +92,12 @@ class Trainer:
         """The HF checkpoint training starts from: model.path, or one rank 0 writes to
         run_dir/initial_model (the embedded task's tiny model, or a GGUF file converted)."""
         source = self.config.model.path
+        path = self.config.model.start_checkpoint(self.run_dir)
         if not self.config.model.built_at_start:
-            path = Path(source)
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model.path={str(path)!r} has no config.json; give a local HF "
                                         "checkpoint directory, a .gguf file, or 'task' for the task's tiny model")
             return path
-        path = self.run_dir / "initial_model"
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 and not (path / "config.json").is_file():
             if source == "task":
