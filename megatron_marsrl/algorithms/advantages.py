@@ -1,19 +1,24 @@
 """Group-relative advantage estimators for multi-agent rollouts.
 
-Every built-in estimator is the same operation, "normalise each reward against
-the other rewards of its group", and they differ only in what a group is:
+Every built-in estimator normalises each reward against the other rewards of its
+group; they differ in what a group is, and RLOO in its baseline:
 
-  grpo     same-input group (`group_index`): all samples answered the identical
-           prompt. Textbook GRPO.
-  drmas    (problem, agent): Dr. MAS agent-wise normalisation. Every call of an
-           agent on a problem is pooled, so each agent is scaled by its own
-           reward statistics instead of the statistics pooled over all agents
-           (which inflate or starve agents whose reward distribution differs).
-  at_grpo  (problem, turn, agent): AT-GRPO. Prompts differ by turn and role, so
-           a group never mixes turns or agents.
+  grpo         same-input group (`group_index`): all samples answered the
+               identical prompt. Textbook GRPO.
+  grpo_pooled  problem: one normalisation over every agent's samples of the
+               problem (the baseline Dr. MAS analyses: an agent whose rewards
+               differ from the pooled ones gets inflated or starved gradients).
+  drmas        (problem, agent): Dr. MAS agent-wise normalisation. Every call of
+               an agent on a problem is pooled (Verifier1 and Verifier2 are one
+               agent), so each agent is scaled by its own reward statistics.
+  at_grpo      (problem, turn, agent): AT-GRPO. Prompts differ by turn and role,
+               so a group never mixes turns or agents.
+  rloo         same-input group, leave-one-out baseline: r_i minus the mean of
+               the group's other rewards, never divided by a std (RLOO has none;
+               `scale_by_std` does not apply).
 
-`AdvantageConfig.scale_by_std=False` gives the mean-only variant (r - mean),
-which does not up-weight groups whose rewards barely vary.
+`AdvantageConfig.scale_by_std=False` gives the mean-only variant (r - mean) of the
+normalising estimators, which does not up-weight groups whose rewards barely vary.
 
 Degenerate groups, handled explicitly rather than through eps:
   * a group of one sample has nothing to be compared with: advantage 0;
@@ -47,7 +52,7 @@ class AdvantageBatch:
     problem_index: torch.Tensor
     """Problem of each sample (integer ids)."""
     agent_index: torch.Tensor
-    """Agent of each sample (integer ids; by stage or by role, the caller decides)."""
+    """Agent (role) of each sample (integer ids): Verifier1 and Verifier2 are one agent."""
     turn_index: torch.Tensor
     """Stage position of each sample in its trajectory (0 = Solver)."""
 
@@ -68,7 +73,8 @@ class AdvantageConfig:
     """How advantages are computed."""
 
     estimator: str = "grpo"
-    """"grpo", "drmas", "at_grpo", or an import path "pkg.module:fn" to an `AdvantageEstimator`."""
+    """"grpo", "grpo_pooled", "drmas", "at_grpo", "rloo", or an import path "pkg.module:fn" to an
+    `AdvantageEstimator`."""
     scale_by_std: bool = True
     """Divide by the group std; False gives the mean-only variant (r - mean)."""
     unbiased_std: bool = True
@@ -96,8 +102,11 @@ def group_ids(*keys: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def normalize_in_groups(rewards: torch.Tensor, groups: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
-    """(r - group mean) / (group std + eps), or r - group mean when not scaling.
+def normalize_in_groups(rewards: torch.Tensor, groups: torch.Tensor, config: AdvantageConfig, *,
+                        leave_one_out: bool = False) -> torch.Tensor:
+    """(r - group mean) / (group std + eps), or r - group mean when not scaling; with
+    `leave_one_out`, r - (mean of the other rewards of the group) = (r - mean) * n / (n - 1),
+    never scaled (RLOO).
 
     `groups` holds dense ids 0..G-1. Singletons and groups whose rewards are all
     equal get exactly 0: equality is tested on the rewards themselves, because
@@ -111,7 +120,9 @@ def normalize_in_groups(rewards: torch.Tensor, groups: torch.Tensor, config: Adv
     centered = r - mean[groups]
     lo, hi = _group_min_max(r, groups, num_groups)
     degenerate = (count < 2)[groups] | (lo == hi)[groups]
-    if config.scale_by_std:
+    if leave_one_out:
+        centered = centered * (count / (count - 1).clamp(min=1))[groups]
+    elif config.scale_by_std:
         sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, centered**2)
         dof = (count - 1) if config.unbiased_std else count
         std = (sq / dof.clamp(min=1)).sqrt()[groups]
@@ -132,6 +143,11 @@ def grpo(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
     return normalize_in_groups(batch.rewards, group_ids(batch.group_index), config)
 
 
+def grpo_pooled(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
+    """GRPO pooled over agents: normalise within each problem, every agent's samples together."""
+    return normalize_in_groups(batch.rewards, group_ids(batch.problem_index), config)
+
+
 def drmas(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
     """Dr. MAS: normalise within each (problem, agent), pooling every call of the agent."""
     return normalize_in_groups(batch.rewards, group_ids(batch.problem_index, batch.agent_index), config)
@@ -143,7 +159,15 @@ def at_grpo(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
     return normalize_in_groups(batch.rewards, keys, config)
 
 
-ESTIMATORS: dict[str, AdvantageEstimator] = {"grpo": grpo, "drmas": drmas, "at_grpo": at_grpo}
+def rloo(batch: AdvantageBatch, config: AdvantageConfig) -> torch.Tensor:
+    """RLOO: within each same-input group, the reward minus the mean of the group's other rewards."""
+    return normalize_in_groups(batch.rewards, group_ids(batch.group_index), config, leave_one_out=True)
+
+
+ESTIMATORS: dict[str, AdvantageEstimator] = {"grpo": grpo, "grpo_pooled": grpo_pooled, "drmas": drmas,
+                                             "at_grpo": at_grpo, "rloo": rloo}
+POOL_ACROSS_STAGES = ("grpo_pooled", "drmas")
+"""Built-in estimators whose groups span several stages of a problem's trajectory."""
 
 
 def get_estimator(name: str) -> AdvantageEstimator:
@@ -174,14 +198,9 @@ def count_degenerate_groups(rewards: torch.Tensor, groups: torch.Tensor) -> dict
             "zero_std_groups": int(((lo == hi) & (count > 1)).sum())}
 
 
-def batch_from_samples(samples: Sequence[Sample], *, agent_by: str = "stage") -> AdvantageBatch:
-    """Build an `AdvantageBatch` from scored samples.
-
-    `agent_by` is "stage" (Verifier1 and Verifier2 are different agents, as in
-    MarsRL) or "role" (they are one agent, pooled by Dr. MAS).
-    """
-    if agent_by not in ("stage", "role"):
-        raise ValueError(f"agent_by must be 'stage' or 'role', got {agent_by!r}")
+def batch_from_samples(samples: Sequence[Sample]) -> AdvantageBatch:
+    """Build an `AdvantageBatch` from scored samples; the agent of a sample is its role, so
+    every call of a role (Verifier1, Verifier2, ...) is one agent."""
     unscored = [s.sample_id for s in samples if s.reward is None]
     if unscored:
         raise ValueError(f"samples {unscored[:5]} have no reward; score them before computing advantages")
@@ -194,6 +213,6 @@ def batch_from_samples(samples: Sequence[Sample], *, agent_by: str = "stage") ->
         rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),  # type: ignore[arg-type]
         group_index=ids([s.group_id for s in samples]),
         problem_index=ids([s.problem_id for s in samples]),
-        agent_index=ids([getattr(s, agent_by) for s in samples]),
+        agent_index=ids([s.role for s in samples]),
         turn_index=torch.tensor([s.turn for s in samples], dtype=torch.int64),
     )

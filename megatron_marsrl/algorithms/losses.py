@@ -1,6 +1,9 @@
 """The policy-gradient loss: PPO clip with the MarsRL / UloRL additions.
 
 Compared with the textbook PPO-clip objective:
+  * the ratio is per token (PPO) or per sequence (GSPO, `ratio="sequence"`: the geometric
+    mean of a sequence's token ratios, clipped as a whole, with each token's gradient
+    flowing through it, i.e. GSPO-token with the sequence advantage);
   * clip-higher: separate lower and upper clip ranges (1 - clip_low, 1 + clip_high);
   * dual clip: for negative advantages the loss is also capped at -A * c, so a
     huge ratio on a bad token cannot blow the update up;
@@ -8,11 +11,14 @@ Compared with the textbook PPO-clip objective:
     "seq-mean-token-mean" (each sequence's token mean, averaged over sequences:
     MarsRL's choice) and "seq-sum" (each sequence's token losses summed, then
     averaged over sequences);
-  * optional k3 KL to a reference policy and an entropy bonus;
+  * optional k3 KL to a reference policy (clamped to [0, 10] per token, as verl does) and an
+    entropy bonus;
   * DMMPT (dynamic masking of mastered positive tokens): while the policy's mean
     entropy is below a target, tokens of reward-1 samples that the policy
     already predicts with probability above a threshold are dropped from the
-    loss, which slows the entropy collapse;
+    loss, which slows the entropy collapse. Whether masking is on is one decision for
+    a whole step (`PolicyLossInputs.dmmpt_active`, which the trainer sets from the
+    policy's mean entropy); without it, each call decides from its own tokens;
   * TIS: the rollout engine (SGLang) and the trainer (Megatron) compute slightly
     different probabilities; each token's policy-gradient term is weighted by
     min(p_old / p_rollout, cap), and whole sequences whose mismatch exceeds a
@@ -36,6 +42,11 @@ import torch.distributed as dist
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-sum")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: beyond this a ratio is an outlier anyway; avoids inf * 0 = nan
+K3_MAX = 10.0
+"""Per-token k3 values are clamped to [0, K3_MAX] (verl's low_var_kl bound): one token the
+reference finds very unlikely cannot dominate the KL term or its gradient."""
+RATIOS = ("token", "sequence")
+OLD_LOGPROBS = ("current", "rollout")
 
 
 @dataclass(kw_only=True)
@@ -83,6 +94,17 @@ class PolicyLossConfig:
     """Ratios above 1 + clip_high are clipped; > clip_low is "clip-higher" (e.g. 0.28)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -A * c; None: off."""
+    ratio: str = "token"
+    """"token": PPO's per-token ratio; "sequence": GSPO's sequence ratio (the length-normalised
+    product of the token ratios), the choice for MoE policies whose token ratios are noisy
+    (GSPO's paper clips it far tighter, e.g. clip_low=3e-4, clip_high=4e-4)."""
+    old_logprobs: str = "current"
+    """What the trainer puts in the ratio's denominator. "current": its own log-probs, detached
+    (on-policy: every ratio is 1, so no clip ever acts, and a step is one update). "rollout":
+    the engine's log-probs of the tokens, the behaviour policy (decoupled PPO): the ratio
+    measures how far the policy moved since a token was generated (earlier updates of the same
+    step, `policy.mini_batch_sequences`; older weights of continued segments) and the clips act
+    on it; the engine/trainer mismatch enters the ratio too, so TIS is not needed with it."""
     aggregation: str = "seq-mean-token-mean"
     """One of "token-mean", "seq-mean-token-mean", "seq-sum" (see the module docstring)."""
     kl_coef: float = 0.0
@@ -101,6 +123,13 @@ class PolicyLossConfig:
             raise ValueError(f"clip_high must be > 0, got {self.clip_high}")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.ratio not in RATIOS:
+            raise ValueError(f"ratio {self.ratio!r} is not one of {RATIOS}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs {self.old_logprobs!r} is not one of {OLD_LOGPROBS}")
+        if self.old_logprobs == "rollout" and self.tis is not None:
+            raise ValueError("old_logprobs='rollout' already takes the ratio against the engine's log-probs; "
+                             "TIS would weigh every token by exactly 1: set tis=null")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation {self.aggregation!r} is not one of {AGGREGATIONS}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
@@ -127,6 +156,9 @@ class PolicyLossInputs:
     """The rollout engine's log-probs of the same tokens; required for TIS."""
     rewards: torch.Tensor | None = None
     """Per-sequence rewards [B]; required for DMMPT."""
+    dmmpt_active: bool | None = None
+    """Whether DMMPT masks this step (decided once per step by the caller); None: decide from
+    this call's mean entropy (summed over the process group)."""
 
     def __post_init__(self) -> None:
         shape = self.logprobs.shape
@@ -196,11 +228,26 @@ def aggregation_units(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return m.sum().float() if mode == "token-mean" else m.any(-1).sum().float()
 
 
+def log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token log-ratio [B, T]. "token": logp - old. "sequence" (GSPO-token): every token
+    carries its sequence's mean log-ratio as value, and its own log-prob's gradient
+    (logp - sg(logp) + sg(mean over the sequence of logp - old))."""
+    diff = logprobs - old_logprobs
+    if kind == "token":
+        return diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if kind != "sequence":
+        raise ValueError(f"ratio {kind!r} is not one of {RATIOS}")
+    m = mask.to(diff.dtype)
+    seq = ((diff.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return logprobs - logprobs.detach() + seq[:, None]
+
+
 def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        config: PolicyLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate loss and boolean masks of where each clip was active."""
+                        config: PolicyLossConfig, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate loss and boolean masks of where each clip was active; `mask`
+    marks the response tokens (a sequence ratio averages over them)."""
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)
-    ratio = torch.exp((logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio(logprobs, old_logprobs, mask, config.ratio))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -214,9 +261,10 @@ def ppo_clip_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(policy || ref): exp(d) - d - 1 with d = ref - logp (>= 0)."""
+    """Per-token k3 estimator of KL(policy || ref): exp(d) - d - 1 with d = ref - logp, in
+    [0, K3_MAX] (no gradient where the bound holds it)."""
     d = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    return torch.exp(d) - d - 1.0
+    return (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)
 
 
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -233,14 +281,21 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask
     return weights, keep
 
 
+def dmmpt_gate(mean_entropy: float, config: DMMPTConfig) -> bool:
+    """Whether DMMPT masks: the policy's mean token entropy (nats) is below the target."""
+    return mean_entropy < config.entropy_target
+
+
 def dmmpt_mask(logprobs: torch.Tensor, entropy: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor,
-               config: DMMPTConfig, process_group: dist.ProcessGroup | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens to drop [B, T], whether masking was active); entropy averaged over the group."""
-    m = mask.to(entropy.dtype)
-    stats = _sum_over(torch.stack([(entropy.detach() * m).sum(), m.sum()]), process_group)
-    mean_entropy = stats[0] / stats[1].clamp(min=1)
-    active = mean_entropy < config.entropy_target
+               config: DMMPTConfig, process_group: dist.ProcessGroup | None = None, *,
+               active: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens to drop [B, T], whether masking was active). `active` is the step's decision;
+    None: decided here from the mean entropy of these tokens over the group."""
+    if active is None:
+        m = mask.to(entropy.dtype)
+        stats = _sum_over(torch.stack([(entropy.detach() * m).sum(), m.sum()]), process_group)
+        active = dmmpt_gate(float(stats[0] / stats[1].clamp(min=1)), config)
+    active = torch.tensor(bool(active), device=mask.device)
     positive = (rewards >= config.positive_reward)[:, None]
     confident = logprobs.detach() > torch.log(torch.tensor(config.prob_threshold, dtype=logprobs.dtype))
     return mask.bool() & positive & confident & active, active
@@ -267,7 +322,7 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
     mask = inputs.response_mask.bool()
     inputs = _zero_padding(inputs, mask)
     loss_mask, metrics = mask, {}
-    pg, flags = ppo_clip_token_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, config)
+    pg, flags = ppo_clip_token_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, config, mask)
     if config.tis is not None:
         weights, keep = tis_weights(inputs.old_logprobs, inputs.rollout_logprobs, mask, config.tis)
         pg = pg * weights
@@ -276,7 +331,8 @@ def policy_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
         metrics["tis_truncated_fraction"] = _masked_mean(weights >= config.tis.cap, mask)
         metrics["tis_masked_sequence_fraction"] = (~keep).float().mean()
     if config.dmmpt is not None:
-        drop, active = dmmpt_mask(inputs.logprobs, inputs.entropy, inputs.rewards, mask, config.dmmpt, process_group)
+        drop, active = dmmpt_mask(inputs.logprobs, inputs.entropy, inputs.rewards, mask, config.dmmpt, process_group,
+                                  active=inputs.dmmpt_active)
         loss_mask = loss_mask & ~drop
         metrics["dmmpt_active"] = active.float()
         metrics["dmmpt_masked_fraction"] = _masked_mean(drop, mask)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_marsrl import gguf
 from megatron_marsrl.agents.rollout import RolloutConfig
-from megatron_marsrl.algorithms.advantages import AdvantageConfig
+from megatron_marsrl.algorithms.advantages import POOL_ACROSS_STAGES, AdvantageConfig
 from megatron_marsrl.algorithms.losses import PolicyLossConfig
 from megatron_marsrl.megatron.optim import OptimConfig
 from megatron_marsrl.megatron.parallel import ParallelConfig
@@ -197,6 +197,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.policy.reference:
             raise ValueError("loss.kl_coef > 0 needs a reference model: set policy.reference=true")
+        if self.advantage.estimator in POOL_ACROSS_STAGES and self.pipeline.mode == "pipeline":
+            raise ValueError(f"advantage.estimator={self.advantage.estimator} pools the stages of a problem's "
+                             "trajectory, but pipeline mode trains one stage of each problem per step, so its "
+                             "groups would be AT-GRPO's: use pipeline.mode=sync, or advantage.estimator=at_grpo")
         if self.loss.tis is None and self.pipeline.segment_tokens and self.pipeline.segment_old_tokens == "tis":
             raise ValueError("pipeline.segment_old_tokens='tis' needs loss.tis (set loss.tis={} for the defaults)")
 

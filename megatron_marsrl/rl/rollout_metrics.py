@@ -3,6 +3,11 @@
     {role}/reward_mean, {role}/accuracy (reward >= 0.5), {role}/response_len, {role}/samples,
     {role}/advantage_mean, {role}/advantage_std, {role}/advantage_abs_mean, {role}/parse_fail
     {role}/zero_std_group_fraction        groups of >= 2 samples with one reward: no signal
+    {role}/advantage_second_moment        mean A^2 over the role's samples: Dr. MAS's measure of
+                                          how large the role's gradients are (~1 per role when
+                                          each is normalised by its own statistics)
+    {role}/advantage_share                the role's share of the step's sum of A^2 (of its
+                                          weight in the update, before token counts)
     verifier/precision, verifier/recall   flagging wrong solutions ("no" on a wrong one)
     corrector/fix_rate                    wrong input solution -> right answer
 
@@ -32,6 +37,7 @@ def role_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     for s in samples:
         by_role[s.role].append(s)
     out: dict[str, float] = {}
+    total_sq = sum(s.advantage ** 2 for s in samples if s.advantage is not None)
     for role, group in sorted(by_role.items()):
         rewards = [float(s.reward or 0.0) for s in group]
         out[f"{role}/samples"] = len(group)
@@ -45,6 +51,8 @@ def role_metrics(samples: Sequence[Sample]) -> dict[str, float]:
             out[f"{role}/advantage_mean"] = mean
             out[f"{role}/advantage_std"] = math.sqrt(_mean([(a - mean) ** 2 for a in adv]))
             out[f"{role}/advantage_abs_mean"] = _mean([abs(a) for a in adv])
+            out[f"{role}/advantage_second_moment"] = _mean([a * a for a in adv])
+            out[f"{role}/advantage_share"] = sum(a * a for a in adv) / total_sq if total_sq else 0.0
             out[f"{role}/zero_std_group_fraction"] = _zero_std_fraction(group)
     out.update(_verifier(by_role.get("verifier", [])))
     out.update(_corrector(by_role.get("corrector", [])))

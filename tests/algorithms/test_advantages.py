@@ -19,12 +19,15 @@ from megatron_marsrl.data_types import Sample
 # which key tuple each estimator groups by, spelled out independently of the implementation
 KEYS = {
     "grpo": lambda s: s["group"],
+    "grpo_pooled": lambda s: s["problem"],
     "drmas": lambda s: (s["problem"], s["agent"]),
     "at_grpo": lambda s: (s["problem"], s["turn"], s["agent"]),
+    "rloo": lambda s: s["group"],
 }
 
 
-def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float) -> list[float]:
+def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float,
+              leave_one_out: bool = False) -> list[float]:
     members = defaultdict(list)
     for i, row in enumerate(rows):
         members[key(row)].append(i)
@@ -33,6 +36,11 @@ def reference(rows: list[dict], key, *, scale: bool, unbiased: bool, eps: float)
         vals = [rows[i]["reward"] for i in idx]
         if len(set(vals)) == 1:
             continue  # a singleton or an all-equal group carries no preference
+        if leave_one_out:  # RLOO: each reward against the mean of the others, no std
+            for i in idx:
+                others = [rows[j]["reward"] for j in idx if j != i]
+                out[i] = rows[i]["reward"] - sum(others) / len(others)
+            continue
         mean = sum(vals) / len(vals)
         var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1 if unbiased else len(vals))
         std = math.sqrt(var)
@@ -84,7 +92,8 @@ def test_matches_reference(seed, estimator, scale, unbiased):
         r["reward"] = float(torch.tensor(r["reward"], dtype=torch.float32))
     config = AdvantageConfig(estimator=estimator, scale_by_std=scale, unbiased_std=unbiased, eps=1e-6)
     got = compute_advantages(to_batch(rows), config)
-    want = reference(rows, KEYS[estimator], scale=scale, unbiased=unbiased, eps=1e-6)
+    want = reference(rows, KEYS[estimator], scale=scale, unbiased=unbiased, eps=1e-6,
+                     leave_one_out=estimator == "rloo")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
@@ -99,9 +108,35 @@ def test_estimators_differ_on_the_same_batch():
     assert drmas[2] > 0 and drmas[4] < 0      # pooled over every call of the agent
 
 
+def test_drmas_pools_the_calls_of_a_role_and_grpo_pooled_pools_the_roles():
+    """Built from samples as the trainer builds them: Verifier1 and Verifier2 are one agent for
+    Dr. MAS, two groups for AT-GRPO; the pooled baseline mixes the Solver in as well."""
+    def s(i, stage, role, turn, reward):
+        return Sample(sample_id=str(i), role=role, stage=stage, turn=turn, problem_id="p",
+                      group_id=f"{stage}/g", reward=reward)
+
+    samples = [s(0, "solver", "solver", 0, 1.0), s(1, "solver", "solver", 0, 1.0), s(2, "solver", "solver", 0, 0.0),
+               s(3, "verifier1", "verifier", 1, 1.0), s(4, "verifier1", "verifier", 1, 1.0),
+               s(5, "verifier2", "verifier", 3, 0.0), s(6, "verifier2", "verifier", 3, 0.0)]
+    batch = batch_from_samples(samples)
+    at, drmas, pooled = (compute_advantages(batch, AdvantageConfig(estimator=e, scale_by_std=False)).tolist()
+                         for e in ("at_grpo", "drmas", "grpo_pooled"))
+    assert at[3:] == [0.0] * 4                              # each verifier stage alone is constant
+    assert drmas[3:] == pytest.approx([0.5, 0.5, -0.5, -0.5])  # one verifier agent: mean 0.5
+    assert drmas[:3] == pytest.approx([1 / 3, 1 / 3, -2 / 3])
+    mean = 4 / 7
+    assert pooled == pytest.approx([r - mean for r in (1, 1, 0, 1, 1, 0, 0)])
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    rows = [{"problem": 0, "turn": 0, "agent": 0, "group": 0, "reward": r} for r in (1.0, 0.0, 0.0, 0.0)]
+    got = compute_advantages(to_batch(rows), AdvantageConfig(estimator="rloo")).tolist()
+    assert got == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])  # 1 - 0, 0 - 1/3: scale_by_std does not apply
+
+
 def test_degenerate_groups_are_zero_and_finite():
     batch = AdvantageBatch(rewards=torch.tensor([1.0, 0.5, 0.5, 0.5]), group_index=torch.tensor([0, 1, 1, 1]),
-                           problem_index=torch.tensor([0, 0, 0, 0]), agent_index=torch.tensor([0, 1, 1, 1]),
+                           problem_index=torch.tensor([0, 1, 1, 1]), agent_index=torch.tensor([0, 1, 1, 1]),
                            turn_index=torch.tensor([0, 1, 1, 1]))
     for estimator in ESTIMATORS:
         adv = compute_advantages(batch, AdvantageConfig(estimator=estimator))
@@ -147,13 +182,16 @@ def test_permuting_samples_permutes_advantages(raw, rnd, estimator, scale):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(row_strategy, min_size=1, max_size=40), st.sampled_from(sorted(ESTIMATORS)), st.booleans())
-def test_each_agents_advantages_have_zero_mean(raw, estimator, scale):
+def test_each_groups_advantages_have_zero_mean(raw, estimator, scale):
+    """Within each estimator's own groups (so, for the agent-wise ones, within each agent)."""
     rows = rows_from(raw)
     adv = compute_advantages(to_batch(rows), AdvantageConfig(estimator=estimator, scale_by_std=scale)).double()
-    agents = torch.tensor([r["agent"] for r in rows])
-    for agent in agents.unique():
-        values = adv[agents == agent]
-        assert abs(values.mean().item()) <= 1e-5 * (1 + values.abs().max().item()), (agent, values)
+    members = defaultdict(list)
+    for i, row in enumerate(rows):
+        members[KEYS[estimator](row)].append(i)
+    for key, idx in members.items():
+        values = adv[idx]
+        assert abs(values.mean().item()) <= 1e-5 * (1 + values.abs().max().item()), (key, values)
 
 
 # ---- plumbing and extension point -----------------------------------------------------------------------
@@ -164,12 +202,10 @@ def test_batch_from_samples_keys():
 
     samples = [s(0, "solver", "solver", 0, "g0"), s(1, "verifier1", "verifier", 1, "g1"),
                s(2, "verifier2", "verifier", 3, "g2", problem="q", reward=0.0)]
-    by_stage, by_role = batch_from_samples(samples), batch_from_samples(samples, agent_by="role")
-    assert by_stage.agent_index.tolist() == [0, 1, 2] and by_role.agent_index.tolist() == [0, 1, 1]
-    assert by_stage.problem_index.tolist() == [0, 0, 1] and by_stage.turn_index.tolist() == [0, 1, 3]
-    assert by_stage.rewards.tolist() == [1.0, 1.0, 0.0]
-    with pytest.raises(ValueError, match="agent_by must be"):
-        batch_from_samples(samples, agent_by="model")
+    batch = batch_from_samples(samples)
+    assert batch.agent_index.tolist() == [0, 1, 1]  # the agent is the role
+    assert batch.problem_index.tolist() == [0, 0, 1] and batch.turn_index.tolist() == [0, 1, 3]
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0]
     samples[0].reward = None
     with pytest.raises(ValueError, match=r"samples \['0'\] have no reward"):
         batch_from_samples(samples)

@@ -27,22 +27,26 @@ def make_inputs(seed: int, *, per_token_adv: bool = False, B: int = 6, T: int = 
     rollout[1] = old[1] - 0.8                                        # large mismatch: p_old >> p_rollout
     rollout[4] = old[4] + 0.8                                        # and the other way round
     adv = torch.randn(B, T, generator=g) if per_token_adv else torch.randn(B, generator=g)
+    ref = logprobs + 0.3 * torch.randn(B, T, generator=g)
+    ref[2, ::2] += 4.0  # exp(d) - d - 1 > 10: the k3 clamp holds these tokens
     return {"logprobs": logprobs, "old_logprobs": old, "advantages": adv, "response_mask": mask,
-            "ref_logprobs": logprobs + 0.3 * torch.randn(B, T, generator=g),
+            "ref_logprobs": ref,
             "entropy": torch.rand(B, T, generator=g), "rollout_logprobs": rollout,
             "rewards": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])[:B]}
 
 
-def reference(x: dict[str, torch.Tensor], cfg: PolicyLossConfig, lp: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Token by token, with python branches; `lp` is the leaf the gradient flows to."""
+def reference(x: dict[str, torch.Tensor], cfg: PolicyLossConfig, lp: torch.Tensor,
+              step_gate: bool | None = None) -> tuple[torch.Tensor, dict]:
+    """Token by token, with python branches; `lp` is the leaf the gradient flows to;
+    `step_gate`: the step's DMMPT decision (None: from these tokens' mean entropy)."""
     B, T = lp.shape
     mask = x["response_mask"]
     valid = [[t for t in range(T) if mask[b, t]] for b in range(B)]
-    counts = {"tokens": 0, "clip_low": 0, "clip_high": 0, "dual": 0, "dropped": 0, "kept": 0}
+    counts = {"tokens": 0, "clip_low": 0, "clip_high": 0, "dual": 0, "dropped": 0, "kept": 0, "k3_clamped": 0}
     dmmpt_on = False
     if cfg.dmmpt is not None:
         ents = [float(x["entropy"][b, t]) for b in range(B) for t in valid[b]]
-        dmmpt_on = sum(ents) / max(len(ents), 1) < cfg.dmmpt.entropy_target
+        dmmpt_on = sum(ents) / max(len(ents), 1) < cfg.dmmpt.entropy_target if step_gate is None else step_gate
     per_seq: list[list[torch.Tensor]] = []
     for b in range(B):
         keep_seq = True
@@ -59,7 +63,11 @@ def reference(x: dict[str, torch.Tensor], cfg: PolicyLossConfig, lp: torch.Tenso
                 counts["dropped"] += 1
                 continue
             a = float(x["advantages"][b, t] if x["advantages"].dim() == 2 else x["advantages"][b])
-            ratio = torch.exp(lp[b, t] - x["old_logprobs"][b, t])
+            if cfg.ratio == "sequence":  # GSPO: the sequence's geometric-mean ratio, this token's gradient
+                mean = sum(float(lp[b, u] - x["old_logprobs"][b, u]) for u in valid[b]) / len(valid[b])
+                ratio = math.exp(mean) * torch.exp(lp[b, t] - float(lp[b, t]))
+            else:
+                ratio = torch.exp(lp[b, t] - x["old_logprobs"][b, t])
             r = float(ratio.detach())
             clipped = ratio if 1 - cfg.clip_low <= r <= 1 + cfg.clip_high else \
                 torch.tensor(min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high))
@@ -73,7 +81,10 @@ def reference(x: dict[str, torch.Tensor], cfg: PolicyLossConfig, lp: torch.Tenso
                 loss = loss * min(math.exp(float(x["old_logprobs"][b, t] - x["rollout_logprobs"][b, t])), cfg.tis.cap)
             if cfg.kl_coef:
                 d = x["ref_logprobs"][b, t] - lp[b, t]
-                loss = loss + cfg.kl_coef * (torch.exp(d) - d - 1)
+                k3 = torch.exp(d) - d - 1
+                if float(k3.detach()) > 10.0:  # verl's bound: a constant, no gradient
+                    k3, counts["k3_clamped"] = torch.tensor(10.0), counts["k3_clamped"] + 1
+                loss = loss + cfg.kl_coef * k3
             loss = loss - cfg.entropy_coef * float(x["entropy"][b, t])
             kept.append(loss)
         per_seq.append(kept)
@@ -97,6 +108,8 @@ CONFIGS = {
     "dmmpt_inactive": dict(dmmpt=DMMPTConfig(prob_threshold=0.99, entropy_target=0.05)),
     "tis_cap": dict(tis=TISConfig(cap=1.2)),
     "tis_mask": dict(tis=TISConfig(cap=2.0, mismatch_threshold=1.5)),
+    "gspo": dict(ratio="sequence", clip_low=0.05, clip_high=0.08),
+    "gspo_dual_kl": dict(ratio="sequence", clip_low=0.01, clip_high=0.02, dual_clip=1.02, kl_coef=0.1),
     "everything": dict(clip_high=0.28, dual_clip=2.0, kl_coef=0.05, entropy_coef=0.02,
                        dmmpt=DMMPTConfig(entropy_target=5.0), tis=TISConfig(cap=1.5, mismatch_threshold=1.5)),
 }
@@ -130,9 +143,41 @@ def test_reference_setup_exercises_every_branch(seed):
     x = make_inputs(seed)
     _, counts = reference(x, PolicyLossConfig(clip_high=0.28, dual_clip=1.5), x["logprobs"].clone())
     assert counts["clip_low"] and counts["clip_high"] and counts["dual"]
+    _, counts = reference(x, PolicyLossConfig(kl_coef=0.1), x["logprobs"].clone())
+    assert counts["k3_clamped"]
     cfg = PolicyLossConfig(tis=TISConfig(mismatch_threshold=1.5))
     _, metrics = policy_loss(PolicyLossInputs(**x), cfg)
     assert 0 < metrics["tis_masked_sequence_fraction"] < 1
+
+
+def test_reference_setup_exercises_every_sequence_ratio_branch():
+    """A sequence's mean log-ratio strays less than its tokens': tight clips, over the seeds used."""
+    cfg = PolicyLossConfig(ratio="sequence", clip_low=0.01, clip_high=0.01, dual_clip=1.02)
+    totals = {"clip_low": 0, "clip_high": 0, "dual": 0}
+    for seed in (0, 1, 2):
+        x = make_inputs(seed)
+        _, counts = reference(x, cfg, x["logprobs"].clone())
+        totals = {k: v + counts[k] for k, v in totals.items()}
+    assert all(totals.values()), totals
+
+
+@pytest.mark.parametrize("target, step_gate", [(0.05, True), (5.0, False)])
+def test_the_steps_dmmpt_decision_overrides_the_micro_batchs_entropy(target, step_gate):
+    """The trainer decides DMMPT once per step: a micro-batch whose own entropy says the opposite
+    follows the step's decision."""
+    x = make_inputs(5)
+    cfg = PolicyLossConfig(dmmpt=DMMPTConfig(entropy_target=target))
+    own = bool(policy_loss(PolicyLossInputs(**x), cfg)[1]["dmmpt_active"])
+    assert own != step_gate
+    lp = x["logprobs"].clone().requires_grad_(True)
+    loss, metrics = policy_loss(PolicyLossInputs(**{**x, "logprobs": lp}, dmmpt_active=step_gate), cfg)
+    loss.backward()
+    lp_ref = x["logprobs"].clone().requires_grad_(True)
+    want, counts = reference(x, cfg, lp_ref, step_gate=step_gate)
+    want.backward()
+    assert bool(metrics["dmmpt_active"]) == step_gate and (counts["dropped"] > 0) == step_gate
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_dmmpt_only_masks_confident_tokens_of_positive_samples():

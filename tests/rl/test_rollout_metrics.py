@@ -20,10 +20,23 @@ def test_advantage_statistics_come_from_each_samples_advantage():
     assert out["solver/advantage_mean"] == pytest.approx(-0.5)
     assert out["solver/advantage_std"] == pytest.approx(1.0)
     assert out["solver/advantage_abs_mean"] == pytest.approx(1.0)
+    assert out["solver/advantage_second_moment"] == pytest.approx((0.25 + 2.25) / 2)
     assert out["solver/reward_mean"] == 0.5 and out["verifier/reward_mean"] == 1.0
     # a role whose samples were not trained (evaluation) has no advantage statistics
     assert not any(k.startswith("verifier/advantage") for k in out)
     assert all(math.isfinite(v) for v in out.values())
+
+
+def test_advantage_share_shows_the_imbalance_dr_mas_removes():
+    """Pooled normalisation gives a role with a different reward level larger advantages; the
+    per-role share of the summed A^2 makes that visible."""
+    big = [_sample(i, "solver", 0.0, a) for i, a in enumerate((2.0, -2.0))]
+    small = [_sample(i, "verifier", 1.0, a) for i, a in enumerate((0.5, -0.5, 0.5, -0.5))]
+    out = role_metrics(big + small)
+    assert out["solver/advantage_share"] == pytest.approx(8 / 9)
+    assert out["verifier/advantage_share"] == pytest.approx(1 / 9)
+    assert out["solver/advantage_second_moment"] == pytest.approx(4.0)
+    assert out["verifier/advantage_second_moment"] == pytest.approx(0.25)
 
 
 def _grouped(i: int, role: str, group: str, reward: float, advantage: float | None) -> Sample:
