@@ -126,8 +126,16 @@ class PolicyConfig:
     max_grad_norm: float | None = None
     """Skip the update (and log it) when the gradient norm is above this (a spike) or not
     finite; None skips only non-finite norms."""
+    mini_batch_sequences: int | None = None
+    """PPO mini-batches (verl's ppo_mini_batch_size, counted in sequences): an optimizer step
+    each time at least this many of a policy's sequences were trained while the step's
+    rollouts go on, and one at the end of the step for the rest. Needs
+    loss.old_logprobs=rollout, so that the later mini-batches' ratios measure the earlier
+    updates. None: one optimizer step per policy per RL step."""
 
     def __post_init__(self) -> None:
+        if self.mini_batch_sequences is not None and self.mini_batch_sequences < 1:
+            raise ValueError(f"policy.mini_batch_sequences={self.mini_batch_sequences}: must be >= 1 or None")
         if self.sharing not in POLICY_SHARING:
             raise ValueError(f"policy.sharing={self.sharing!r}: use one of {POLICY_SHARING}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -139,7 +147,7 @@ class RunConfig:
     """Length, outputs, logging and checkpoints of the run."""
 
     steps: int = 100
-    """RL steps (one optimizer step per policy per RL step)."""
+    """RL steps (one optimizer step per policy per RL step, or several: policy.mini_batch_sequences)."""
     output_dir: str = "outputs/run"
     """Run directory: checkpoints/, tensorboard/, resolved config.json, eval results."""
     seed: int = 1234
@@ -201,6 +209,9 @@ class TrainConfig:
             raise ValueError(f"advantage.estimator={self.advantage.estimator} pools the stages of a problem's "
                              "trajectory, but pipeline mode trains one stage of each problem per step, so its "
                              "groups would be AT-GRPO's: use pipeline.mode=sync, or advantage.estimator=at_grpo")
+        if self.policy.mini_batch_sequences is not None and self.loss.old_logprobs != "rollout":
+            raise ValueError("policy.mini_batch_sequences needs loss.old_logprobs=rollout: after the step's first "
+                             "update the trainer's own log-probs are no longer those of the policy that generated")
         if self.loss.tis is None and self.pipeline.segment_tokens and self.pipeline.segment_old_tokens == "tis":
             raise ValueError("pipeline.segment_old_tokens='tis' needs loss.tis (set loss.tis={} for the defaults)")
 

@@ -8,14 +8,16 @@ Megatron -> weight sync to the engines -> (periodic) evaluation and checkpoint.
 
 How it differs from textbook GRPO:
   * several agents (Solver, Verifier, Corrector) with agent-specific rewards, advantages
-    normalised within each agent's groups (GRPO / Dr. MAS / AT-GRPO), one shared policy or
-    one policy per role;
+    normalised within each agent's groups (GRPO / Dr. MAS / AT-GRPO / RLOO), one shared
+    policy or one policy per role;
   * agentic pipeline (MarsRL): a step runs one stage of every open trajectory, so nothing
     waits for whole trajectories; stage inputs chosen in step t are answered in step t+1;
   * training overlaps generation: each problem's groups are packed into micro-batches and
-    trained as soon as they are rewarded; gradients accumulate and sync once, with exactly one
-    optimizer step per policy per RL step, so every sample is on-policy (old log-probs equal
-    the current ones; there is no separate recompute pass);
+    trained as soon as they are rewarded; gradients accumulate and sync once, by default with
+    one optimizer step per policy per RL step, so every sample is on-policy (old log-probs
+    equal the current ones; there is no separate recompute pass). With PPO mini-batches
+    (policy.mini_batch_sequences) a policy also steps whenever enough of its sequences were
+    trained, and the ratio is taken against the engine's log-probs (loss.old_logprobs=rollout);
   * the engines' own log-probs are kept: train/rollout mismatch is logged every step and can
     drive truncated importance sampling (loss.tis).
 """

@@ -3,7 +3,7 @@
 Rank 0 alone sees the rollouts; during `Trainer.train_while_generating` it broadcasts one
 message at a time on the control group (gloo, `broadcast_object_list`, so each is pickled)
 and the other ranks act on it, so every collective inside Megatron runs in the same order
-everywhere: any number of `TrainRound`, then `StepEnd`, or `StepAbort` when the rollout side
+everywhere: any number of `TrainRound` (with an `Update` after a PPO mini-batch), then `StepEnd`, or `StepAbort` when the rollout side
 failed. Messages hold plain data only (no tensors beyond a sequence's routing record, no
 handles) and a round carries just the sequences its micro-batches train.
 """
@@ -27,6 +27,15 @@ class TrainRound:
     the rank has nothing this round (it still joins the collectives)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Update:
+    """A PPO mini-batch of `policy` is complete: reduce its gradients and step its optimizer now,
+    before the step's remaining rounds (`PolicyConfig.mini_batch_sequences`)."""
+
+    policy: str
+    """The policy to update."""
+
+
 @dataclass(frozen=True)
 class StepEnd:
     """Every round of the step was sent: the ranks go on to the step's metric reduction."""
@@ -42,5 +51,5 @@ class StepAbort:
     """True when SIGTERM/SIGINT stopped the step (the run exits cleanly after a checkpoint)."""
 
 
-StepMessage = TrainRound | StepEnd | StepAbort
+StepMessage = TrainRound | Update | StepEnd | StepAbort
 """Every message of a step."""

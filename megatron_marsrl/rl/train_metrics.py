@@ -86,6 +86,12 @@ class MetricSums:
         """Per policy: the loss aggregation units of the step (the optimizer step's normaliser)."""
         self.losses: defaultdict[str, float] = defaultdict(float)
         """Per policy: the summed (unnormalised) loss of its micro-batches."""
+        self.applied: defaultdict[str, float] = defaultdict(float)
+        """Per policy: the units already stepped on by the step's PPO mini-batch updates."""
+        self.entropy: defaultdict[str, float] = defaultdict(float)
+        """Per policy: summed token entropy of the trained tokens (DMMPT's gate)."""
+        self.entropy_tokens: defaultdict[str, float] = defaultdict(float)
+        """Per policy: the tokens `entropy` summed over."""
 
     def add(self, metrics: dict[str, Weighted]) -> None:
         """One micro-batch's metrics (`weigh`)."""
@@ -101,12 +107,23 @@ class MetricSums:
         self.units[policy] += units
         self.losses[policy] += loss
 
+    def add_entropy(self, policy: str, mean: float, tokens: float) -> None:
+        """One micro-batch's mean token entropy over its `tokens` trained tokens."""
+        if math.isfinite(mean):
+            self.entropy[policy] += mean * tokens
+            self.entropy_tokens[policy] += tokens
+
+    def policy_entropy(self) -> dict[str, float]:
+        """Each policy's mean token entropy over the tokens it trained."""
+        return {p: self.entropy[p] / n for p, n in self.entropy_tokens.items() if n > 0}
+
     @classmethod
     def merged(cls, parts: list[MetricSums]) -> MetricSums:
         out = cls()
         for part in parts:
             for mine, theirs in ((out.sums, part.sums), (out.weights, part.weights),
-                                 (out.units, part.units), (out.losses, part.losses)):
+                                 (out.units, part.units), (out.losses, part.losses), (out.applied, part.applied),
+                                 (out.entropy, part.entropy), (out.entropy_tokens, part.entropy_tokens)):
                 for k, v in theirs.items():
                     mine[k] += v
             out.nonfinite += part.nonfinite

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_marsrl.algorithms.advantages import batch_from_samples, compute_advantages
-from megatron_marsrl.algorithms.losses import PolicyLossInputs, policy_loss
+from megatron_marsrl.algorithms.losses import PolicyLossInputs, dmmpt_gate, policy_loss
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
@@ -27,7 +28,7 @@ from megatron_marsrl.megatron.parallel import init_parallel
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
-from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound
+from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound, Update
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
 from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
 
@@ -75,6 +76,10 @@ class Trainer:
 
             self.rollout = RolloutSide(config, str(self.hf_dir))
         self.start_step = 0
+        self._policy_entropy: dict[str, float] = {}
+        """Each policy's mean token entropy in the last step trained (all ranks): DMMPT's gate."""
+        self._step_updates: defaultdict[str, list[dict]] = defaultdict(list)
+        """The running step's PPO mini-batch updates per policy (their optimizer reports)."""
         self._stop_signal, self._stop_time = None, 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -150,6 +155,7 @@ class Trainer:
         """Train each unit of groups as soon as the scheduler packs it, while the rest is still
         being generated. Returns the step's samples (rank 0; [] elsewhere) and train metrics."""
         acc = MetricSums()
+        self._step_updates.clear()
         if self.rank == 0:
             samples, timing = self._lead_step(step, acc)
         else:
@@ -163,6 +169,8 @@ class Trainer:
             match self._broadcast():
                 case TrainRound(policy=policy, micro_batches=payload):
                     self._run_round(policy, payload, acc)
+                case Update(policy=policy):
+                    self._update(policy, acc)
                 case StepEnd():
                     return
                 case StepAbort(reason=reason, by_signal=by_signal):
@@ -177,6 +185,7 @@ class Trainer:
         samples, seqs = [], {}
         start = time.perf_counter()
         t = {"train": 0.0, "idle": 0.0, "rounds": []}
+        since_update: defaultdict[str, int] = defaultdict(int)  # sequences trained per policy
         while True:
             wait = time.perf_counter()
             unit = self._from_rollout(step, self._next_unit)
@@ -187,8 +196,9 @@ class Trainer:
                                               self._prepare_unit(unit, seqs, samples)])
             # A failure inside a round is not caught: the other ranks are inside Megatron's
             # collectives with us, so the process must end and torchrun tear the job down.
-            self._train_rounds(sched.pop_ready(), seqs, acc, t)
-        self._train_rounds(sched.finish_step(), seqs, acc, t)
+            self._train_rounds(sched.pop_ready(), seqs, acc, t, since_update)
+            self._mini_batch_updates(since_update, acc)
+        self._train_rounds(sched.finish_step(), seqs, acc, t, since_update)  # the rest: optimizer_step
         self._tell(StepEnd())
         finished = self.rollout.driver.finished_at
         during = sum(max(0.0, min(end, finished) - begin) for begin, end in t["rounds"])
@@ -223,6 +233,11 @@ class Trainer:
         """Advantages of one unit (all its groups pool within one problem; kept on each
         `Sample.advantage`), training sequences, and scheduler items (one list per group)."""
         unit_samples = [s for g in unit for s in g.samples]
+        if self.config.loss.old_logprobs == "rollout":
+            missing = [s.sample_id for s in unit_samples if s.response_token_ids and s.rollout_logprobs is None]
+            if missing:
+                raise ValueError(f"loss.old_logprobs=rollout needs the engine's log-probs, but samples {missing[:3]} "
+                                 "have none: use an engine that reports them, or loss.old_logprobs=current")
         adv = compute_advantages(batch_from_samples(unit_samples), self.config.advantage)
         out = []
         mask_old = self.config.pipeline.segment_old_tokens == "mask"
@@ -242,14 +257,41 @@ class Trainer:
                 out.append(items)
         return out
 
-    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: MetricSums, t: dict) -> None:
+    def _train_rounds(self, rounds: list[Round], seqs: dict, acc: MetricSums, t: dict,
+                      since_update: defaultdict[str, int]) -> None:
         for rnd in rounds:
+            since_update[rnd.policy] += sum(len(mb.items) for mb in rnd.micro_batches)
             payload = [[seqs[item.key] for item in mb.items] for mb in rnd.micro_batches]
             self._tell(TrainRound(policy=rnd.policy, micro_batches=payload))
             begin = time.perf_counter()
             self._run_round(rnd.policy, payload, acc)
             t["rounds"].append((begin, time.perf_counter()))
             t["train"] += t["rounds"][-1][1] - begin
+
+    def _mini_batch_updates(self, since_update: defaultdict[str, int], acc: MetricSums) -> None:
+        """Rank 0: update every policy whose PPO mini-batch is complete (none without
+        `policy.mini_batch_sequences`); the step's last mini-batch is `optimizer_step`'s."""
+        size = self.config.policy.mini_batch_sequences
+        for policy in [p for p, n in since_update.items() if size is not None and n >= size]:
+            self._tell(Update(policy=policy))
+            self._update(policy, acc)
+            since_update[policy] = 0
+
+    def _update(self, policy: str, acc: MetricSums) -> None:
+        """Every rank: the optimizer step of one PPO mini-batch, normalised by its loss units
+        (summed over data-parallel ranks)."""
+        from megatron.core import parallel_state as ps
+
+        parts = [None] * _dp_size()
+        dist.all_gather_object(parts, acc.units[policy] - acc.applied[policy], group=ps.get_data_parallel_group())
+        acc.applied[policy] = acc.units[policy]
+        units = sum(parts)
+        if units == 0:  # only empty stand-in sequences: nothing to step on
+            self.actors[policy].skip_step()
+            return
+        report = self.actors[policy].finish_step(grad_scale=_dp_size() / units,
+                                                 max_grad_norm=self.config.policy.max_grad_norm)
+        self._step_updates[policy].append(report)
 
     def _run_round(self, policy: str, payload: list, acc: MetricSums) -> None:
         from megatron.core import parallel_state as ps
@@ -264,6 +306,7 @@ class Trainer:
         batch = pack_sequences([s for _, s in mine])
         batch["role_index"] = torch.tensor([ROLES.index(r) if r in ROLES else -1 for r, _ in mine])
         batch["temperature"] = self.config.rollout.sampling.temperature or 1.0
+        batch["dmmpt_active"] = self._dmmpt_active(policy)
         actor = self.actors[policy]
         if actor.reference is not None:
             batch["ref_logprobs"] = actor.reference_logprobs(batch, temperature=batch["temperature"])
@@ -272,20 +315,33 @@ class Trainer:
         # "loss" is this micro-batch's share of the step objective (a sum, normalised at the end)
         acc.add_units(policy, metrics.pop("aggregation_units"), metrics.pop("loss"))
         if real:
+            if "entropy" in metrics:
+                acc.add_entropy(policy, metrics["entropy"], float(batch["response_mask"].sum()))
             # the share of the engine's routing record that this stage's routers replayed
             metrics["routing_replayed"] = (replay_coverage(actor.module, batch["routed_experts"])
                                            if "routed_experts" in batch else 0.0)
             acc.add(weigh(metrics, batch["response_mask"], batch["role_index"]))
+
+    def _dmmpt_active(self, policy: str) -> bool | None:
+        """DMMPT's decision for the whole step: the policy's mean token entropy over the last
+        step it trained (every micro-batch and data-parallel rank) is below the target; off
+        until a step has measured it. None when DMMPT is off."""
+        cfg = self.config.loss.dmmpt
+        if cfg is None:
+            return None
+        entropy = self._policy_entropy.get(policy)
+        return entropy is not None and dmmpt_gate(entropy, cfg)
 
     def _loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor | None, batch: dict):
         cfg = self.config.loss
         mask = batch["response_mask"].to(logp.device)
         rollout = batch["rollout_logprobs"].to(logp.device)
         inputs = PolicyLossInputs(
-            logprobs=logp, old_logprobs=logp.detach(), advantages=batch["advantages"].to(logp.device),
+            logprobs=logp, old_logprobs=rollout if cfg.old_logprobs == "rollout" else logp.detach(),
+            advantages=batch["advantages"].to(logp.device),
             response_mask=mask, entropy=entropy, rewards=batch["rewards"].to(logp.device),
             ref_logprobs=batch["ref_logprobs"].to(logp.device) if "ref_logprobs" in batch else None,
-            rollout_logprobs=rollout if cfg.tis is not None else None)
+            rollout_logprobs=rollout if cfg.tis is not None else None, dmmpt_active=batch.get("dmmpt_active"))
         loss, metrics = policy_loss(inputs, cfg, normalizer=1.0)
         metrics = {**metrics, **mismatch_metrics(logp.detach(), rollout, mask, batch["role_index"], entropy)}
         return loss, metrics
@@ -298,7 +354,8 @@ class Trainer:
         parts = [None] * _dp_size()
         dist.all_gather_object(parts, acc, group=ps.get_data_parallel_group())
         total = MetricSums.merged(parts)
-        self._units = dict(total.units)
+        self._units = {p: total.units[p] - total.applied[p] for p in total.units}  # the last mini-batch's
+        self._policy_entropy.update(total.policy_entropy())
         out = {f"train/{k}": v for k, v in total.means().items()}
         out["train/nonfinite_metrics"] = total.nonfinite
         trained = [p for p in self.actors if total.units.get(p)]
@@ -353,21 +410,27 @@ class Trainer:
 
     # ---- update, sync, evaluate, checkpoint ---------------------------------------------------
     def optimizer_step(self) -> dict:
-        """One optimizer step per policy, normalised by the step's total loss units."""
+        """Each policy's (last) optimizer step of the RL step, normalised by the loss units
+        trained since its previous one; metrics over all of the step's updates."""
         out = {}
         for name, actor in self.actors.items():
             units = self._units.get(name, 0.0)
-            if units == 0:  # nothing of this policy finished this step (segment rollout, per-role)
+            reports = self._step_updates[name]
+            if units > 0:
+                reports.append(actor.finish_step(grad_scale=_dp_size() / units,
+                                                 max_grad_norm=self.config.policy.max_grad_norm))
+            else:  # nothing (left) of this policy this step (segment rollout, per-role, mini-batches)
                 actor.skip_step()
+            if not reports:
                 out[f"{name}/trained_nothing"] = 1.0
                 continue
-            report = actor.finish_step(grad_scale=_dp_size() / units,
-                                       max_grad_norm=self.config.policy.max_grad_norm)
-            if not report["update_applied"]:
-                log.warning("policy %s: update skipped (grad norm %s)", name, report["grad_norm"])
-            out[f"{name}/grad_norm"] = report["grad_norm"]
-            out[f"{name}/update_skipped"] = 0.0 if report["update_applied"] else 1.0
-            out[f"{name}/micro_batches"] = report["micro_batches"]
+            skipped = [r for r in reports if not r["update_applied"]]
+            for r in skipped:
+                log.warning("policy %s: update skipped (grad norm %s)", name, r["grad_norm"])
+            out[f"{name}/grad_norm"] = sum(r["grad_norm"] for r in reports) / len(reports)
+            out[f"{name}/update_skipped"] = float(len(skipped))
+            out[f"{name}/updates"] = float(len(reports))
+            out[f"{name}/micro_batches"] = sum(r["micro_batches"] for r in reports)
         return out
 
     def sync_weights(self, version: int, probe: dict | None = None) -> dict:
@@ -397,6 +460,11 @@ class Trainer:
         """Checkpoint after `step` steps; `redo_step`: the running step failed, save the state
         from its start so that a resume runs it again (the weights were not updated yet)."""
         state = self._broadcast(self.rollout.state_dict(step_start=redo_step) if self.rollout is not None else None)
+        if redo_step and any(self._step_updates.values()):
+            log.warning("step %d stopped after %d of its PPO mini-batch updates: the checkpoint holds the updated "
+                        "weights, so a resume redoes the step from them, not from the step's start", step + 1,
+                        sum(map(len, self._step_updates.values())))
+        state = {**state, "policy_entropy": self._policy_entropy}
         path = checkpoint.save(self.run_dir, step, self.actors, state, keep=self.config.run.keep_checkpoints)
         if self.rank == 0:
             log.info("checkpoint saved: %s", path)
@@ -409,6 +477,7 @@ class Trainer:
             log.warning("--resume: no complete checkpoint under %s; starting from step 0", self.run_dir)
             return
         state = checkpoint.load(path, self.actors)
+        self._policy_entropy = dict(state.get("policy_entropy", {}))
         if self.rollout is not None:
             self.rollout.load_state_dict(state)
         self.start_step = state["step"]

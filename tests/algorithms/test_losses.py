@@ -64,7 +64,7 @@ def reference(x: dict[str, torch.Tensor], cfg: PolicyLossConfig, lp: torch.Tenso
                 continue
             a = float(x["advantages"][b, t] if x["advantages"].dim() == 2 else x["advantages"][b])
             if cfg.ratio == "sequence":  # GSPO: the sequence's geometric-mean ratio, this token's gradient
-                mean = sum(float(lp[b, u] - x["old_logprobs"][b, u]) for u in valid[b]) / len(valid[b])
+                mean = sum(float(lp[b, u].detach() - x["old_logprobs"][b, u]) for u in valid[b]) / len(valid[b])
                 ratio = math.exp(mean) * torch.exp(lp[b, t] - float(lp[b, t]))
             else:
                 ratio = torch.exp(lp[b, t] - x["old_logprobs"][b, t])

@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from megatron_marsrl.megatron.actor import Sequence
-from megatron_marsrl.rl.messages import StepAbort, StepEnd, TrainRound
+from megatron_marsrl.rl.messages import StepAbort, StepEnd, TrainRound, Update
 
 
 def _round() -> TrainRound:
@@ -15,7 +15,7 @@ def _round() -> TrainRound:
     return TrainRound(policy="shared", micro_batches=[[("solver", seq), ("verifier", seq)], []])
 
 
-@pytest.mark.parametrize("msg", [_round(), StepEnd(), StepAbort(reason="RuntimeError: engines gave up",
+@pytest.mark.parametrize("msg", [_round(), Update(policy="verifier"), StepEnd(), StepAbort(reason="RuntimeError: engines gave up",
                                                                    by_signal=False)])
 def test_messages_survive_the_broadcast_pickle(msg):
     back = pickle.loads(pickle.dumps(msg))

@@ -155,12 +155,15 @@ def test_train_with_sglang_engine(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    train(full, "run.steps=4", "run.checkpoint_every=2")
-    train(part, "run.steps=2", "run.checkpoint_every=2")
-    train(part, "run.steps=4", "run.checkpoint_every=2", "--resume")
+    # DMMPT's per-step gate comes from the previous step's entropy: the checkpoint must carry it
+    dmmpt = ("loss.dmmpt={}", "loss.dmmpt.entropy_target=50")
+    train(full, "run.steps=4", "run.checkpoint_every=2", *dmmpt)
+    train(part, "run.steps=2", "run.checkpoint_every=2", *dmmpt)
+    train(part, "run.steps=4", "run.checkpoint_every=2", "--resume", *dmmpt)
     a, b = step_metrics(full), step_metrics(part)
     assert sorted(b) == [1, 2, 3, 4]
     _assert_same_steps(a, b, (3, 4))
+    assert b[3]["train/dmmpt_active"] == 1.0  # (a lost gate reads 0: nothing measured yet)
 
 
 def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
@@ -169,7 +172,8 @@ def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
         for key in ("rollout/samples", "rollout/pending_stage_inputs",
                     *(f"rollout/{r}/reward_mean" for r in ROLES), *(f"rollout/{r}/response_len" for r in ROLES)):
             assert b[step].get(key) == a[step].get(key), (step, key)
-        for key in ("train/loss", "train/entropy", "shared/grad_norm"):
+        for key in ("train/loss", "train/entropy", "shared/grad_norm",
+                    *(k for k in ("train/dmmpt_active", "train/dmmpt_masked_fraction") if k in a[step])):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
@@ -313,6 +317,27 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     # --resume mid-flight runs on (test_segment_rollout.py checks that in-flight stages are regenerated)
     train(run, "run.steps=5", "run.checkpoint_every=0", "pipeline.segment_tokens=1", "--resume")
     assert 5 in step_metrics(run)
+
+
+def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per_step_dmmpt_gate(tmp_path):
+    """Several optimizer updates per RL step whose later mini-batches see ratios != 1 (measured
+    against the engine's log-probs), so GSPO's tight sequence clips act; Dr. MAS pools the two
+    verifier calls (sync mode, 4 stages); DMMPT's gate is one decision per step, off in step 1
+    (nothing measured yet), then on (the target is above any entropy here)."""
+    run = tmp_path / "run"
+    train(run, "run.steps=3", "run.checkpoint_every=0", "pipeline.mode=sync", "pipeline.problems_per_step=4",
+          "rollout.max_stages=4", "advantage.estimator=drmas", "loss.old_logprobs=rollout", "loss.ratio=sequence",
+          "loss.clip_low=0.0003", "loss.clip_high=0.0004", "policy.mini_batch_sequences=32",
+          "loss.dmmpt={}", "loss.dmmpt.entropy_target=50")
+    m = step_metrics(run)
+    assert sorted(m) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert m[step]["shared/updates"] >= 2, m[step]["shared/updates"]
+        assert m[step]["shared/update_skipped"] == 0.0 and math.isfinite(m[step]["train/loss"])
+        assert m[step]["rollout/verifier/samples"] > 0 and "rollout/verifier/advantage_share" in m[step]
+        assert m[step]["train/dmmpt_active"] == (0.0 if step == 1 else 1.0)
+    # the ratio moved between the mini-batches of a step: the clips acted
+    assert sum(m[s]["train/clip_high_fraction"] + m[s]["train/clip_low_fraction"] for s in m) > 0
 
 
 @pytest.mark.slow
