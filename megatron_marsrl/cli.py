@@ -6,6 +6,7 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 
     marsrl --help
     marsrl train --recipe tiny_arithmetic   # the embedded CPU main job: RL on 2 CPU ranks
+    marsrl sft --model HF_DIR --data chats.jsonl   # supervised fine-tuning (a warm start for RL)
     marsrl selfcheck                 # HF <-> Megatron round trip with logit parity (TP2/EP2/PP2)
     marsrl convert hf-to-mcore ...   # also tools/convert_hf_to_mcore.py
     marsrl convert gguf-to-hf ...    # a GGUF file -> HF checkpoint (weights, tokenizer, chat template)
@@ -30,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench weight-sync": ("megatron_marsrl.commands.bench_weight_sync", "Megatron -> engine weight sync (GB/s) versus an in-memory copy"),
     "bench rollout": ("megatron_marsrl.commands.bench_rollout", "generated tokens/s of the embedded and SGLang engines, side by side"),
     "train": ("megatron_marsrl.commands.train", "RL training of the Solver-Verifier-Corrector system (a recipe + key=value overrides)"),
+    "sft": ("megatron_marsrl.commands.sft", "supervised fine-tuning on Megatron from JSONL chat data (loss on assistant replies); writes an HF checkpoint marsrl train starts from"),
     "bench pipeline": ("megatron_marsrl.commands.bench_pipeline", "agentic pipeline + overlapping scheduler vs synchronous RL steps (real run, or --simulate at cluster scale)"),
     "bench throughput": ("megatron_marsrl.commands.bench_throughput", "end-to-end RL step benchmark: tokens/s/GPU (rollout, train), step time parts, weight sync, train MFU (one JSON record)"),
     "solve": ("megatron_marsrl.agents.solve_cli", "run the Solver-Verifier-Corrector loop on a problem or a JSONL file"),

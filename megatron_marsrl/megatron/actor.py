@@ -39,6 +39,8 @@ class Sequence:
     """The engine's log-probs of `response_ids` (TIS and the mismatch metric)."""
     trained_from: int = 0
     """Response tokens before this index get no gradient (segment rollout: older weights)."""
+    loss_mask: list[bool] | None = None
+    """Per response token: False keeps it out of the loss (SFT: the turns between replies)."""
     routed_experts: torch.Tensor | None = None
     """The engine's MoE routing of prompt + response tokens [tokens-1, layers, top_k] (replay)."""
 
@@ -58,6 +60,8 @@ def pack_sequences(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
     for row, s in enumerate(seqs):
         start = len(s.prompt_ids) - 1  # logprob index of the first response token
         mask[row, start + s.trained_from: start + len(s.response_ids)] = True
+        if s.loss_mask is not None:
+            mask[row, start: start + len(s.response_ids)] &= torch.tensor(s.loss_mask, dtype=torch.bool)
         if s.rollout_logprobs is not None:
             rollout[row, start: start + len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
     lengths = torch.tensor([len(i) for i in ids])

@@ -96,6 +96,8 @@ def eval_line(step: int, scalars: dict[str, float]) -> str:
     parts = [f"{role} reward {scalars[f'eval/{role}/reward_mean']:.3g}"
              + (f" acc {scalars[f'eval/{role}/accuracy']:.3g}" if f"eval/{role}/accuracy" in scalars else "")
              for role in ROLE_ORDER if f"eval/{role}/reward_mean" in scalars]
+    if "eval/loss" in scalars:  # marsrl sft
+        parts.append(f"loss {scalars['eval/loss']:.4g}")
     return f"eval @ step {step}  " + "  ".join(parts)
 
 
