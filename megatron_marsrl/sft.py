@@ -220,6 +220,27 @@ def _rounds(mbs: list[list[Example]], dp: int) -> list[list[list[Example]]]:
 def run_rank(cfg: SFTConfig) -> dict:
     """One rank of `marsrl sft` (under torchrun); returns the run's summary (on every rank)."""
     import torch.distributed as dist
+
+    from megatron_marsrl import outputs
+    from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.megatron.parallel import init_parallel
+
+    conversations = preflight(cfg)
+    init_parallel(cfg.parallel, ModelArch.from_hf_dir(cfg.model), seed=cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    if dist.get_rank() == 0:  # only rank 0 writes into the run directory
+        if cfg.force and run_dir.exists():
+            outputs.remove(run_dir)
+        outputs.prepare_dir(run_dir, kind="sft")
+    return fine_tune(cfg, conversations)
+
+
+def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = False) -> dict:
+    """The SFT loop on the current process groups (`init_parallel` done, `cfg.output_dir`
+    ready): trains a fresh actor from `cfg.model`, writes `<output_dir>/hf`; `quiet` keeps
+    the per-step lines off the console (metrics.jsonl and TensorBoard are written either way).
+    Returns the summary (steps, losses, hf_dir) on every rank."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
@@ -227,19 +248,10 @@ def run_rank(cfg: SFTConfig) -> dict:
     from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
     from megatron_marsrl.megatron.hf_checkpoint import save_hf_checkpoint
     from megatron_marsrl.megatron.hf_config import ModelArch
-    from megatron_marsrl.megatron.parallel import init_parallel
-
-    from megatron_marsrl import outputs
 
     run_dir = Path(cfg.output_dir)
-    conversations = preflight(cfg)
     arch = ModelArch.from_hf_dir(cfg.model)
-    init_parallel(cfg.parallel, arch, seed=cfg.seed)
     rank, dp, dp_rank = dist.get_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if rank == 0:  # only rank 0 writes into the run directory
-        if cfg.force and run_dir.exists():
-            outputs.remove(run_dir)
-        outputs.prepare_dir(run_dir, kind="sft")
     dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     actor = PolicyActor("sft", arch, cfg.parallel, cfg.optim, hf_dir=cfg.model, dtype=dtype)
@@ -272,7 +284,7 @@ def run_rank(cfg: SFTConfig) -> dict:
     if rank == 0:
         from megatron_marsrl.rl.observe import Observer
 
-        observer = Observer(run_dir, total_steps=len(steps), start_step=0, progress=True)
+        observer = Observer(run_dir, total_steps=len(steps), start_step=0, progress=not quiet, quiet=quiet)
     summary: dict = {"steps": len(steps), "train_examples": len(train)}
     if held_out:
         summary["eval_loss_first"] = evaluate()

@@ -126,6 +126,26 @@ CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
 ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR)
 
 
+def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES) -> list[list[Message]]:
+    """Supervised conversations for a warm start (`marsrl sft` data): for each problem the Solver
+    giving the answer, the Verifier judging the right answer ("yes") and a near miss ("no"),
+    and the Corrector fixing the near miss. Deterministic in `seed`."""
+    import random
+
+    rng = random.Random(f"demonstrations:{seed}")
+    out: list[list[Message]] = []
+    for p in problems:
+        right = int(p.answer)
+        wrong = str(max(0, right + rng.choice([-3, -2, -1, 1, 2, 3])) if right > 2 else right + rng.randint(1, 3))
+        out.append(roles.solver.build_prompt({"problem": p.problem}) + [{"role": "assistant", "content": p.answer}])
+        for solution, verdict in ((p.answer, "yes"), (wrong, "no")):
+            out.append(roles.verifier.build_prompt({"problem": p.problem, "solution": solution})
+                       + [{"role": "assistant", "content": verdict}])
+        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrong, "report": "no"})
+                   + [{"role": "assistant", "content": p.answer}])
+    return out
+
+
 # ---- CHAT_ROLES: the same task for a pretrained instruct model ------------------------------
 _NUMBER = re.compile(r"-?\d+")
 

@@ -23,7 +23,7 @@ common run answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -163,6 +163,21 @@ class ReasoningSystem:
         runs = await asyncio.gather(*(self.run_once(problem, r) for r in range(self.config.runs)))
         return ProblemResult(problem_id=problem_id, problem=problem, runs=list(runs),
                              final_answer=vote(list(runs), self.same_answer))
+
+
+def run_accuracy(results: Sequence[ProblemResult], answers: Sequence[str],
+                 same_answer: Callable[[str, str], bool] = answers_match) -> dict[str, float]:
+    """Over every run of every problem: "accuracy" (the run's answer is right) and
+    "solver_accuracy" (its first solution, the Solver alone, is right): a paired comparison
+    of the loop with the Solver on the same samples."""
+    def right(answer: str | None, reference: str) -> float:
+        return 1.0 if answer is not None and same_answer(answer, reference) else 0.0
+
+    pairs = [(run, ref) for result, ref in zip(results, answers, strict=True) for run in result.runs]
+    if not pairs:
+        return {}
+    return {"accuracy": sum(right(run.answer, ref) for run, ref in pairs) / len(pairs),
+            "solver_accuracy": sum(right(run.candidates[0].answer, ref) for run, ref in pairs) / len(pairs)}
 
 
 def _answer_of(solution: Step) -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_marsrl import gguf
 from megatron_marsrl.agents.rollout import RolloutConfig
+from megatron_marsrl.agents.system import SystemConfig
 from megatron_marsrl.algorithms.advantages import POOL_ACROSS_STAGES, AdvantageConfig
 from megatron_marsrl.algorithms.losses import PolicyLossConfig
 from megatron_marsrl.megatron.optim import OptimConfig
@@ -57,6 +58,33 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class WarmStartConfig:
+    """Supervised fine-tuning before RL, on the run's own ranks (`marsrl sft`'s loop), as real
+    RL runs start from an instruct model. Written to run_dir/warm_start (hf/, metrics.jsonl,
+    tensorboard/) and reused by a resumed or repeated run with the same settings."""
+
+    data: str = "task"
+    """"task": the task's demonstrations of its training problems (the arithmetic tasks: each
+    role answering right, `agents/arithmetic.demonstrations`); else a JSONL file of
+    conversations (`marsrl sft` data)."""
+    epochs: int = 1
+    """Passes over the data."""
+    batch_sequences: int = 32
+    """Conversations per optimizer step."""
+    lr: float = 1e-5
+    """Learning rate (Adam, the run's optim.clip_grad)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("warm_start.data is empty: use 'task' or a JSONL file of conversations")
+        if self.epochs < 1 or self.batch_sequences < 1:
+            raise ValueError(f"warm_start epochs={self.epochs} and batch_sequences={self.batch_sequences}: "
+                             "must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"warm_start.lr={self.lr}: must be > 0")
+
+
+@dataclass(kw_only=True)
 class TaskConfig:
     """What the agents work on: the roles, the data, and (for the embedded job) a tiny model."""
 
@@ -73,6 +101,11 @@ class TaskConfig:
     """At most this many held-out problems per evaluation."""
     tiny_model: dict = field(default_factory=dict)
     """Overrides of the tiny model's HF config when model.path == "task" (e.g. hidden_size)."""
+    system: SystemConfig | None = None
+    """At each evaluation, also run the V-C inference loop (`agents/system.py`) with these
+    limits on the held-out problems, on the training engines: eval/system/accuracy (each run's
+    answer) next to eval/system/solver_accuracy (the same runs' first solutions, the Solver
+    alone); None: not run."""
 
     def __post_init__(self) -> None:
         if self.name not in ("math", "arithmetic", "arithmetic_chat"):
@@ -181,6 +214,8 @@ class TrainConfig:
     """Length, outputs, checkpoints, logging."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Starting weights."""
+    warm_start: WarmStartConfig | None = None
+    """Supervised fine-tuning of the starting weights before the first RL step; None: none."""
     task: TaskConfig
     """Roles and data."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -205,6 +240,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss.kl_coef > 0 and not self.policy.reference:
             raise ValueError("loss.kl_coef > 0 needs a reference model: set policy.reference=true")
+        if self.warm_start is not None and self.warm_start.data == "task" and \
+                self.task.name not in ("arithmetic", "arithmetic_chat"):
+            raise ValueError(f"warm_start.data=task has demonstrations for the arithmetic tasks only, not "
+                             f"task.name={self.task.name}: give warm_start.data a JSONL file of conversations")
         if self.advantage.estimator in POOL_ACROSS_STAGES and self.pipeline.mode == "pipeline":
             raise ValueError(f"advantage.estimator={self.advantage.estimator} pools the stages of a problem's "
                              "trajectory, but pipeline mode trains one stage of each problem per step, so its "

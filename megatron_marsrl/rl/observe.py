@@ -33,7 +33,8 @@ class Observer:
     """Writes every finite scalar of a step to TensorBoard (run_dir/tensorboard) and to
     run_dir/metrics.jsonl, and shows the key figures on the console (rl/console.py)."""
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, progress: bool):
+    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, progress: bool,
+                 quiet: bool = False):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(run_dir) / "tensorboard"
@@ -54,6 +55,8 @@ class Observer:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="marsrl train", unit="step",
                             dynamic_ncols=True, file=terminal())
         self.total_steps = total_steps
+        self.quiet = quiet
+        """No console lines (a warm start inside `marsrl train` logs to its files only)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         scalars = {k: float(v) for k, v in metrics.items()
@@ -73,6 +76,8 @@ class Observer:
             self.bar.update(1)
 
     def _say(self, line: str) -> None:
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(line, file=terminal())
         else:

@@ -9,6 +9,9 @@
     {role}/advantage_share                the role's share of the step's sum of A^2 (of its
                                           weight in the update, before token counts)
     verifier/precision, verifier/recall   flagging wrong solutions ("no" on a wrong one)
+    verifier/recall_correct               passing right solutions ("yes" on a right one)
+    verifier/balanced_accuracy            mean of the two recalls (a verdict-less review counts
+                                          as a miss on either side): 0.5 for any constant verdict
     corrector/fix_rate                    wrong input solution -> right answer
 
 A sample's input correctness comes from its parent's reward (`metadata["parent_reward"]`):
@@ -69,11 +72,16 @@ def _zero_std_fraction(samples: Sequence[Sample]) -> float:
 
 def _verifier(samples: Sequence[Sample]) -> dict[str, float]:
     tp = fp = fn = 0
+    hits = {True: [], False: []}  # solution wrong? -> the review got it right?
     for s in samples:
         parent = s.metadata.get("parent_reward")
-        if parent is None or s.parsed is None:
+        if parent is None:
             continue
-        solution_wrong, flagged = parent < 0.5, s.parsed == Verdict.WRONG.value
+        solution_wrong = parent < 0.5
+        hits[solution_wrong].append(s.parsed == (Verdict.WRONG if solution_wrong else Verdict.CORRECT).value)
+        if s.parsed is None:
+            continue
+        flagged = s.parsed == Verdict.WRONG.value
         tp += flagged and solution_wrong
         fp += flagged and not solution_wrong
         fn += (not flagged) and solution_wrong
@@ -82,6 +90,10 @@ def _verifier(samples: Sequence[Sample]) -> dict[str, float]:
         out["verifier/precision"] = tp / (tp + fp)
     if tp + fn:
         out["verifier/recall"] = tp / (tp + fn)
+    if hits[False]:
+        out["verifier/recall_correct"] = _mean(hits[False])
+    if hits[True] and hits[False]:
+        out["verifier/balanced_accuracy"] = (_mean(hits[True]) + _mean(hits[False])) / 2
     return out
 
 

@@ -5,6 +5,7 @@ gets finished groups from `driver`, and pushes weights into `pools`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from megatron_marsrl.agents.parsing import ParseCounter
@@ -73,14 +74,37 @@ class RolloutSide:
         self.driver.start_step(step, self.stream.next_step())
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Per-role rewards on the held-out problems (whole trajectories, nothing trained)."""
+        """Per-role figures on the held-out problems (whole trajectories, inputs of later stages
+        chosen by balanced selection, nothing trained) and,
+        with `task.system`, the V-C inference loop's accuracy next to its runs' first answers."""
         if not self.eval_problems:
             return {}
-        grouped = GroupedRollout(roles=self.roles, generators=self.eval_generators, config=self.config.rollout)
+        # Balanced selection: the Verifier judges right and wrong solutions alike wherever the Solver
+        # produced both, so that its recall on each (and their mean) is measured.
+        config = dataclasses.replace(self.config.rollout, selection="balanced")
+        grouped = GroupedRollout(roles=self.roles, generators=self.eval_generators, config=config)
         grouped.salt = f"eval{step}."
         groups = self.driver.run_eval(grouped.rollout(self.eval_problems))
         samples: list[Sample] = [s for g in groups for s in g.samples]
-        return {f"eval/{k}": v for k, v in role_metrics(samples).items() if not k.endswith("/samples")}
+        out = {f"eval/{k}": v for k, v in role_metrics(samples).items() if not k.endswith("/samples")}
+        if self.config.task.system is not None:
+            out.update({f"eval/system/{k}": v for k, v in self._evaluate_system().items()})
+        return out
+
+    def _evaluate_system(self) -> dict[str, float]:
+        import asyncio
+
+        from megatron_marsrl.agents.system import SLOTS, ReasoningSystem, run_accuracy
+
+        system = ReasoningSystem(roles=self.roles, generators=self.eval_generators,
+                                 sampling={slot: self.config.rollout.sampling for slot in SLOTS},
+                                 config=self.config.task.system)
+
+        async def solve_all():
+            return await asyncio.gather(*(system.solve(p.id, p.problem) for p in self.eval_problems))
+
+        results = self.driver.run_eval(solve_all())
+        return run_accuracy(results, [p.answer for p in self.eval_problems])
 
     def probe_sequences(self, samples: list[Sample], per_policy: int = 2,
                         max_tokens: int = 128) -> dict[str, list[list[int]]]:

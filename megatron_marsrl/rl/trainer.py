@@ -55,6 +55,8 @@ class Trainer:
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
         self.rank = dist.get_rank()
+        if config.warm_start is not None:
+            self.hf_dir = self._warm_start(config.warm_start)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         dtype = _dtype(config.model.dtype)
         self.actors = {name: PolicyActor(name, self.arch, config.parallel, config.optim, hf_dir=str(self.hf_dir),
@@ -119,6 +121,51 @@ class Trainer:
                 raise TimeoutError(f"rank {rank}: {path} did not appear within 300 s")
             time.sleep(0.2)
         return path
+
+    def _warm_start(self, warm) -> Path:
+        """Supervised fine-tuning of the starting checkpoint (sft.fine_tune on these ranks) into
+        run_dir/warm_start/hf, unless a finished one with the same settings is there."""
+        import dataclasses
+        import json
+
+        from megatron_marsrl import outputs, sft
+        from megatron_marsrl.megatron.optim import OptimConfig
+
+        out = self.run_dir / "warm_start"
+        settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
+                    "layout": dataclasses.asdict(self.config.parallel)}
+        done = out / "hf" / "config.json"
+        if done.is_file() and (out / "settings.json").is_file() and \
+                json.loads((out / "settings.json").read_text()) == settings:
+            return done.parent
+        if warm.data == "task":
+            from megatron_marsrl.agents.arithmetic import demonstrations
+            from megatron_marsrl.rl.data import dataset_from_spec
+            from megatron_marsrl.rl.rollout_side import role_set
+
+            conversations = demonstrations(dataset_from_spec(self.config.task.train), seed=self.config.run.seed,
+                                           roles=role_set(self.config.task.name))
+        else:
+            conversations = sft.load_conversations(warm.data)
+        cfg = sft.SFTConfig(model=str(self.hf_dir), data=warm.data, output_dir=str(out), epochs=warm.epochs,
+                            batch_sequences=warm.batch_sequences, dtype=self.config.model.dtype,
+                            seed=self.config.run.seed, parallel=self.config.parallel,
+                            optim=OptimConfig(lr=warm.lr, clip_grad=self.config.optim.clip_grad))
+        if self.rank == 0:
+            if out.exists():
+                outputs.remove(out)
+            outputs.prepare_dir(out, kind="warm_start")
+        dist.barrier()
+        start = time.perf_counter()
+        summary = sft.fine_tune(cfg, conversations, quiet=True)
+        if self.rank == 0:
+            (out / "settings.json").write_text(json.dumps(settings, indent=1))
+            from megatron_marsrl.rl.console import terminal
+
+            print(f"warm start: {summary['steps']} SFT steps on {summary['train_examples']} conversations, "
+                  f"loss {summary['train_loss_last']:.3f} at the end ({time.perf_counter() - start:.0f} s): {out}",
+                  file=terminal(), flush=True)
+        return out / "hf"
 
     def _on_signal(self, signum, frame) -> None:
         # torchrun and Slurm forward the signal to every rank, often a second time right away:

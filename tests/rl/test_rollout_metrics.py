@@ -52,3 +52,22 @@ def test_zero_std_group_fraction_per_role():
     assert out["verifier/zero_std_group_fraction"] == pytest.approx(0.5)
     evaluated = [_grouped(i, role, g, r, None) for i, (role, g, r) in enumerate(rows)]
     assert "solver/zero_std_group_fraction" not in role_metrics(evaluated)  # evaluation: no advantages
+
+
+def _review(i: int, solution_right: bool, verdict: str | None) -> Sample:
+    return Sample(sample_id=f"v{i}", role="verifier", stage="verifier1", turn=1, problem_id="p", group_id="g",
+                  reward=0.0, parsed=verdict, metadata={"parent_reward": 1.0 if solution_right else 0.0})
+
+
+def test_verifier_balanced_accuracy_gives_a_constant_verdict_one_half():
+    always_no = [_review(i, right, "wrong") for i, right in enumerate([True] + [False] * 9)]
+    out = role_metrics(always_no)
+    assert out["verifier/recall"] == 1.0 and out["verifier/recall_correct"] == 0.0
+    assert out["verifier/balanced_accuracy"] == 0.5  # its plain accuracy would be 0.9
+    mixed = [_review(0, True, "correct"), _review(1, True, None), _review(2, False, "wrong"), _review(3, False, "wrong"),
+             _review(4, False, "correct"), _review(5, False, None)]
+    out = role_metrics(mixed)
+    assert out["verifier/recall_correct"] == 0.5  # a missing verdict is a miss
+    assert out["verifier/balanced_accuracy"] == pytest.approx((0.5 + 2 / 4) / 2)
+    assert out["verifier/recall"] == pytest.approx(2 / 3)  # parsed verdicts only, as before
+    assert "verifier/balanced_accuracy" not in role_metrics([_review(0, True, "correct")])  # one class only
