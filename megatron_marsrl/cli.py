@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench rollout": ("megatron_marsrl.commands.bench_rollout", "generated tokens/s of the embedded and SGLang engines, side by side"),
     "train": ("megatron_marsrl.commands.train", "RL training of the Solver-Verifier-Corrector system (a recipe + key=value overrides)"),
     "sft": ("megatron_marsrl.commands.sft", "supervised fine-tuning on Megatron from JSONL chat data (loss on assistant replies); writes an HF checkpoint marsrl train starts from"),
+    "bench learning": ("megatron_marsrl.commands.bench_learning", "final held-out figures (solver accuracy, verifier balanced accuracy, corrector fix rate, system accuracy) of algorithm variants x seeds, mean +- std, table and chart"),
     "bench pipeline": ("megatron_marsrl.commands.bench_pipeline", "agentic pipeline + overlapping scheduler vs synchronous RL steps (real run, or --simulate at cluster scale)"),
     "bench throughput": ("megatron_marsrl.commands.bench_throughput", "end-to-end RL step benchmark: tokens/s/GPU (rollout, train), step time parts, weight sync, train MFU (one JSON record)"),
     "solve": ("megatron_marsrl.agents.solve_cli", "run the Solver-Verifier-Corrector loop on a problem or a JSONL file"),

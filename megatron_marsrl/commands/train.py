@@ -84,11 +84,14 @@ def _train(args) -> int:
         console.report_failure(exc)
         raise
     if rank == 0:
-        from megatron_marsrl.rl.observe import results_table
+        from megatron_marsrl.rl.observe import plot_held_out, results_table
 
         out = console.terminal()
         print(f"\nmarsrl train: {result['step']} of {config.run.steps} steps in {result['run_dir']}", file=out)
         print(results_table(result["run_dir"]), file=out)
+        chart = plot_held_out(result["run_dir"])
+        if chart is not None:
+            print(f"Held-out curves: {chart}", file=out)
         print(f"TensorBoard: tensorboard --logdir {result['tensorboard']}\nCheckpoints: {result['checkpoints']}\n"
               f"Log: {log_path}", file=out, flush=True)
     return 0

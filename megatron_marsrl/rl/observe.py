@@ -127,6 +127,25 @@ def results_table(run_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+HELD_OUT_CURVES = ("eval/solver/accuracy", "eval/verifier/balanced_accuracy", "eval/corrector/fix_rate",
+                   "eval/system/accuracy", "eval/system/solver_accuracy")
+"""The held-out figures drawn by `plot_held_out` (those the run logged)."""
+
+
+def plot_held_out(run_dir: str | Path) -> Path | None:
+    """run_dir/heldout.png: each `HELD_OUT_CURVES` metric over the evaluated steps; None when
+    the run never evaluated."""
+    from megatron_marsrl.rl.plot import line_chart
+
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    series = {key[5:]: [(r["step"], r[key]) for r in records if key in r] for key in HELD_OUT_CURVES}
+    series = {name: points for name, points in series.items() if points}
+    if not series:
+        return None
+    return line_chart(series, Path(run_dir) / "heldout.png", title=f"held-out evaluation: {Path(run_dir).name}")
+
+
 def _eval_order(key: str) -> tuple:
     _, role, name = key.split("/", 2)
     return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), role,

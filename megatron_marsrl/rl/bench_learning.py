@@ -1,0 +1,147 @@
+"""`marsrl bench learning`: which algorithm choices make the roles better at their jobs.
+
+Runs `marsrl train` once per (variant, seed) on a recipe (the CPU main job by default), each
+variant a set of config overrides (`VARIANTS`), and reports the final held-out figures as
+mean +- std over seeds: a markdown table (learning.md), a bar chart (learning.png) and one
+JSON record per run (runs.jsonl), all in the output directory next to the runs themselves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    # advantages (whole trajectories per step, so that every estimator sees the same groups)
+    "grpo_pooled": ("pipeline.mode=sync", "advantage.estimator=grpo_pooled"),
+    "drmas": ("pipeline.mode=sync", "advantage.estimator=drmas"),
+    "at_grpo": ("pipeline.mode=sync", "advantage.estimator=at_grpo"),
+    # which solutions later stages take as inputs
+    "select_random": ("rollout.selection=random",),
+    "select_balanced": ("rollout.selection=balanced",),
+    "select_adaptive": ("rollout.selection=adaptive",),
+    # one model for every role, or one each
+    "shared": ("policy.sharing=shared",),
+    "per_role": ("policy.sharing=per_role",),
+    # trajectories
+    "sync": ("pipeline.mode=sync",),
+    "pipeline": ("pipeline.mode=pipeline",),
+}
+"""Built-in variants: name -> overrides on top of the recipe (and of --override)."""
+
+GRIDS: dict[str, tuple[str, ...]] = {
+    "advantages": ("grpo_pooled", "drmas", "at_grpo"),
+    "selection": ("select_random", "select_balanced", "select_adaptive"),
+    "policies": ("shared", "per_role"),
+    "trajectories": ("sync", "pipeline"),
+}
+"""Named groups of variants compared with each other."""
+
+METRICS = ("eval/solver/accuracy", "eval/verifier/balanced_accuracy", "eval/corrector/fix_rate",
+           "eval/system/accuracy")
+"""The final held-out figures reported."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """One (variant, seed) run: its final held-out figures and what it cost."""
+
+    variant: str
+    seed: int
+    final: dict[str, float]
+    """The last evaluation's `METRICS` (those logged)."""
+    first: dict[str, float]
+    """The first evaluation's (before any RL step)."""
+    seconds: float
+    run_dir: str
+
+
+def variant_overrides(name: str) -> tuple[str, ...]:
+    """A built-in variant's overrides, or those of "custom:key=value,key=value"."""
+    if name.startswith("custom:"):
+        return tuple(o for o in name[len("custom:"):].split(",") if o)
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; built-in: {', '.join(VARIANTS)} "
+                         "(or custom:key=value,key=value)")
+    return VARIANTS[name]
+
+
+def _evals(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [r for r in records if any(k in r for k in METRICS)]
+
+
+def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list[str], *,
+            timeout: float) -> RunResult:
+    """Train one (variant, seed); raises RuntimeError with the run's output tail if it fails."""
+    run_dir = out_dir / f"{variant.replace(':', '_').replace(',', '_').replace('=', '-')}-seed{seed}"
+    cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, f"run.output_dir={run_dir}",
+           f"run.seed={seed}", "run.progress=false", "run.checkpoint_every=0", *overrides,
+           *variant_overrides(variant)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"variant {variant} seed {seed} failed (exit {proc.returncode}); log: "
+                           f"{run_dir / 'train.log'}\n{(proc.stdout + proc.stderr)[-3000:]}")
+    evals = _evals(run_dir)
+    if not evals:
+        raise RuntimeError(f"variant {variant} seed {seed} logged no held-out evaluation: the recipe needs "
+                           "task.eval and run.eval_every > 0")
+    pick = lambda r: {k: r[k] for k in METRICS if k in r}  # noqa: E731
+    return RunResult(variant=variant, seed=seed, final=pick(evals[-1]), first=pick(evals[0]),
+                     seconds=time.perf_counter() - start, run_dir=str(run_dir))
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def summarize(results: list[RunResult]) -> dict[str, dict[str, tuple[float, float]]]:
+    """variant -> metric -> (mean, std) over seeds of the final figures, plus "seconds"."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for variant in dict.fromkeys(r.variant for r in results):
+        mine = [r for r in results if r.variant == variant]
+        row = {m: mean_std([r.final[m] for r in mine if m in r.final]) for m in METRICS
+               if any(m in r.final for r in mine)}
+        row["seconds"] = mean_std([r.seconds for r in mine])
+        out[variant] = row
+    return out
+
+
+def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[int], command: str) -> str:
+    """The results table (mean +- std over the seeds)."""
+    metrics = [m for m in METRICS if any(m in row for row in summary.values())]
+    head = ["variant", *(m[len("eval/"):] for m in metrics), "minutes"]
+    lines = [f"`{command}`", "", f"Final held-out figures, mean +- std over seeds {seeds}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, row in summary.items():
+        cells = [f"{row[m][0]:.3f} +- {row[m][1]:.3f}" if m in row else "-" for m in metrics]
+        minutes = row["seconds"][0] / 60
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: list[RunResult], out_dir: Path, *, seeds: list[int], command: str) -> str:
+    """learning.md, learning.png and runs.jsonl in `out_dir`; returns the markdown."""
+    from dataclasses import asdict
+
+    from megatron_marsrl.rl.plot import bar_chart
+
+    summary = summarize(results)
+    text = markdown(summary, seeds=seeds, command=command)
+    (out_dir / "learning.md").write_text(text)
+    (out_dir / "runs.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
+    groups = {m[len("eval/"):]: {v: row[m] for v, row in summary.items() if m in row} for m in METRICS}
+    bar_chart({k: v for k, v in groups.items() if v}, out_dir / "learning.png",
+              title=f"final held-out figures, mean +- std over seeds {seeds}")
+    return text

@@ -1,0 +1,60 @@
+"""`marsrl bench learning`: variants, the mean +- std report, and a real two-variant run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_marsrl.rl import bench_learning as bl
+
+
+def test_variants_and_grids_name_real_overrides():
+    from megatron_marsrl.rl.overrides import apply_overrides
+    from megatron_marsrl.rl.recipes import get_recipe
+
+    for grid in bl.GRIDS.values():
+        for name in grid:
+            apply_overrides(get_recipe("tiny_arithmetic"), list(bl.variant_overrides(name)))  # each one valid
+    assert bl.variant_overrides("custom:loss.ratio=sequence,loss.clip_low=3e-4") == \
+        ("loss.ratio=sequence", "loss.clip_low=3e-4")
+    with pytest.raises(ValueError, match="unknown variant 'dr_mas'"):
+        bl.variant_overrides("dr_mas")
+
+
+def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
+    def result(variant, seed, solver, system=None):
+        final = {"eval/solver/accuracy": solver, **({"eval/system/accuracy": system} if system is not None else {})}
+        return bl.RunResult(variant=variant, seed=seed, final=final, first={}, seconds=60.0 * seed, run_dir="")
+
+    results = [result("drmas", 1, 0.5, 0.6), result("drmas", 2, 0.7, 0.8), result("at_grpo", 1, 0.4)]
+    summary = bl.summarize(results)
+    assert summary["drmas"]["eval/solver/accuracy"] == pytest.approx((0.6, 0.1414213), abs=1e-6)
+    assert summary["at_grpo"]["eval/solver/accuracy"] == (0.4, 0.0)
+    assert "eval/system/accuracy" not in summary["at_grpo"]
+    text = bl.write_report(results, tmp_path, seeds=[1, 2], command="marsrl bench learning")
+    assert "| drmas | 0.600 +- 0.141 | 0.700 +- 0.141 | 1.5 |" in text
+    assert "| at_grpo | 0.400 +- 0.000 | - | 1.0 |" in text
+    assert (tmp_path / "learning.png").stat().st_size > 1000
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.slow
+def test_bench_learning_runs_each_variant_and_reports(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "megatron_marsrl.cli", "bench", "learning", "--variant", "drmas",
+           "--variant", "at_grpo", "--seeds", "7", "--output", str(out), "--override", "run.steps=2",
+           "--override", "run.eval_every=2", "--override", "pipeline.problems_per_step=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"]) for r in runs] == [("drmas", 7), ("at_grpo", 7)]
+    for r in runs:
+        assert 0.0 <= r["final"]["eval/solver/accuracy"] <= 1.0
+        config = json.loads((tmp_path / "bench" / f"{r['variant']}-seed7" / "config.json").read_text())
+        assert config["advantage"]["estimator"] == r["variant"] and config["run"]["seed"] == 7
+        assert config["pipeline"]["mode"] == "sync"
+    assert "| drmas |" in (out / "learning.md").read_text() and (out / "learning.png").is_file()
