@@ -16,9 +16,9 @@ test:
 test-fast:
 	@scripts/test.sh -m "not slow"
 
-# The embedded CPU main job: RL training of the three roles on 2 CPU ranks (a few minutes).
+# The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (~7 minutes).
 run:
-	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$$env/bin/marsrl" train --recipe tiny_arithmetic run.output_dir=outputs/tiny_arithmetic-$$(date +%Y%m%d-%H%M%S)
+	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$$env/bin/marsrl" train --recipe tiny_arithmetic_sft_rl run.output_dir=outputs/tiny_arithmetic_sft_rl-$$(date +%Y%m%d-%H%M%S)
 
 selfcheck:
 	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} "$$env/bin/marsrl" selfcheck

@@ -1,7 +1,7 @@
 """marsrl bench learning: final held-out figures of algorithm variants x seeds on a recipe
 (megatron_marsrl.rl.bench_learning).
 
-    marsrl bench learning                                   # the "advantages" grid, 2 seeds
+    marsrl bench learning                                   # the "advantages" grid, 2 seeds, 150 steps
     marsrl bench learning --grid selection --seeds 1,2,3
     marsrl bench learning --variant drmas --variant custom:loss.ratio=sequence,loss.clip_low=3e-4 \
                           --override run.steps=100
@@ -18,7 +18,9 @@ from pathlib import Path
 def add_arguments(parser) -> None:
     from megatron_marsrl.rl.bench_learning import GRIDS, VARIANTS
 
-    parser.add_argument("--recipe", default="tiny_arithmetic", help="recipe every run trains (default tiny_arithmetic)")
+    parser.add_argument("--recipe", default="tiny_arithmetic_sft_rl",
+                        help="recipe every run trains (default tiny_arithmetic_sft_rl, the CPU main job)")
+    parser.add_argument("--steps", type=int, default=150, help="RL steps of each run (run.steps; default 150)")
     parser.add_argument("--grid", default="advantages", choices=sorted(GRIDS),
                         help="a named group of variants (default advantages: " + ", ".join(GRIDS["advantages"]) + ")")
     parser.add_argument("--variant", action="append", default=[],
@@ -52,7 +54,8 @@ def _bench(args) -> int:
     results = []
     for variant in variants:
         for seed in seeds:
-            result = bl.run_one(args.recipe, variant, seed, out, list(args.override), timeout=args.timeout)
+            overrides = [f"run.steps={args.steps}", *args.override]
+            result = bl.run_one(args.recipe, variant, seed, out, overrides, timeout=args.timeout)
             figures = "  ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in result.final.items())
             print(f"{variant} seed {seed}: {figures}  ({result.seconds / 60:.1f} min)", flush=True)
             results.append(result)

@@ -133,7 +133,8 @@ class Trainer:
 
         out = self.run_dir / "warm_start"
         settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
-                    "layout": dataclasses.asdict(self.config.parallel)}
+                    "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
+                    "task": [self.config.task.name, self.config.task.train] if warm.data == "task" else None}
         done = out / "hf" / "config.json"
         if done.is_file() and (out / "settings.json").is_file() and \
                 json.loads((out / "settings.json").read_text()) == settings:

@@ -45,7 +45,7 @@ def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
 def test_bench_learning_runs_each_variant_and_reports(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "bench", "learning", "--variant", "drmas",
-           "--variant", "at_grpo", "--seeds", "7", "--output", str(out), "--override", "run.steps=2",
+           "--variant", "at_grpo", "--seeds", "7", "--output", str(out), "--recipe", "tiny_arithmetic", "--steps", "2",
            "--override", "run.eval_every=2", "--override", "pipeline.problems_per_step=4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})

@@ -19,8 +19,8 @@ import pytest
 ROLES = ("solver", "verifier", "corrector")
 
 
-def _cmd(run_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", "tiny_arithmetic",
+def _cmd(run_dir: Path, *args: str, recipe: str = "tiny_arithmetic") -> list[str]:
+    return [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe,
             f"run.output_dir={run_dir}", "run.progress=false", *args]
 
 
@@ -28,8 +28,9 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def train(run_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(run_dir, *args), capture_output=True, text=True, timeout=timeout, env=_env())
+def train(run_dir: Path, *args: str, timeout: float = 600, recipe: str = "tiny_arithmetic") -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(run_dir, *args, recipe=recipe), capture_output=True, text=True, timeout=timeout,
+                          env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -291,15 +292,23 @@ def _wait_for(condition, proc, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
-def test_embedded_recipe_raises_every_role_reward_on_held_out_problems(tmp_path):
-    """The README's main job: rewards of every role on held-out problems, before vs after."""
+def test_main_job_warm_starts_then_rl_raises_held_out_solver_accuracy_and_fix_rate(tmp_path):
+    """The README's main job (`make run`), two thirds of its steps (CI time): the warm start
+    answers in the task's format, RL raises the held-out Solver accuracy and the Corrector's
+    fix rate, every held-out figure is logged and drawn."""
     run = tmp_path / "run"
-    # half the recipe's 60 steps (CI time): the rise is already clear by step 30
-    train(run, "run.checkpoint_every=0", "run.steps=30", "run.eval_every=30", timeout=1200)
+    proc = train(run, "run.steps=200", recipe="tiny_arithmetic_sft_rl", timeout=1200)
+    assert "warm start: 320 SFT steps on 512 conversations" in proc.stdout
     evals = eval_metrics(run)
-    first, last = evals[0], evals[max(evals)]
-    for role in ROLES:
-        assert last[f"eval/{role}/reward_mean"] > first[f"eval/{role}/reward_mean"] + 0.1, role
+    assert sorted(evals) == [0, 100, 200]
+    first, last = evals[0], evals[200]
+    assert first["eval/solver/parse_fail"] < 0.1  # the warm start answers in the task's format
+    assert last["eval/solver/accuracy"] > first["eval/solver/accuracy"] + 0.1
+    assert last["eval/corrector/fix_rate"] > first["eval/corrector/fix_rate"]
+    for key in ("eval/verifier/balanced_accuracy", "eval/system/accuracy", "eval/system/solver_accuracy"):
+        assert 0.0 <= last[key] <= 1.0, key
+    assert (run / "heldout.png").stat().st_size > 1000 and "Held-out curves:" in proc.stdout
+    assert (run / "warm_start" / "hf" / "config.json").is_file()
 
 
 def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):

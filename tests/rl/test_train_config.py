@@ -35,3 +35,27 @@ def test_behaviour_ratio_makes_tis_redundant_and_bad_names_are_refused():
         _config("loss.ratio=tokens")
     with pytest.raises(OverrideError, match="old_logprobs 'engine' is not one of"):
         _config("loss.old_logprobs=engine")
+
+
+def test_warm_start_from_task_demonstrations_needs_an_arithmetic_task():
+    with pytest.raises(OverrideError, match="warm_start.data=task has demonstrations for the arithmetic tasks only"):
+        _config("warm_start={}", "task.name=math")
+    assert _config("warm_start={}", "task.name=math", "warm_start.data=chats.jsonl").warm_start.data == "chats.jsonl"
+    with pytest.raises(OverrideError, match="warm_start.lr=0.0: must be > 0"):
+        _config("warm_start={}", "warm_start.lr=0")
+
+
+def test_task_demonstrations_teach_each_role_the_right_reply():
+    from megatron_marsrl.agents import arithmetic
+    from megatron_marsrl.rl.data import dataset_from_spec
+
+    problems = dataset_from_spec("arithmetic:train?n=20&seed=0&max_operand=9&max_terms=2&ops=%2B-")
+    chats = arithmetic.demonstrations(problems, seed=0)
+    assert len(chats) == 4 * len(problems)
+    for p, (solve, right, wrong, fix) in zip(problems, (chats[i:i + 4] for i in range(0, len(chats), 4))):
+        assert solve[-1]["content"] == p.answer and fix[-1]["content"] == p.answer
+        assert right[-1]["content"] == "yes" and wrong[-1]["content"] == "no"
+        shown = wrong[0]["content"].split("=")[-1].strip(" :")
+        assert shown != p.answer and 1 <= abs(int(shown) - int(p.answer)) <= 3 and int(shown) >= 0
+        assert arithmetic.parse_verdict(right[-1]["content"]).value == "correct"
+    assert arithmetic.demonstrations(problems, seed=0) == chats != arithmetic.demonstrations(problems, seed=1)
