@@ -310,5 +310,11 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
     save_hf_checkpoint(actor.module, arch, run_dir / "hf", hf_config=hf_config, tokenizer_dir=cfg.model)
     if observer:
         observer.close()
+    del actor  # Megatron's DDP holds reference cycles: free the model and optimizer state now
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     summary["hf_dir"] = str(run_dir / "hf")
     return summary

@@ -3,8 +3,8 @@
 
     marsrl bench learning                                   # the "advantages" grid, 2 seeds, 150 steps
     marsrl bench learning --grid selection --seeds 1,2,3
-    marsrl bench learning --variant drmas --variant custom:loss.ratio=sequence,loss.clip_low=3e-4 \
-                          --override run.steps=100
+    marsrl bench learning --variant at_grpo --override loss.old_logprobs=rollout \
+                          --variant custom:loss.ratio=sequence,loss.clip_low=3e-4,loss.clip_high=4e-4
 
 Each (variant, seed) is one `marsrl train` run (one after the other); the table (mean +- std
 over seeds) is printed and written with a bar chart to --output.
@@ -50,6 +50,7 @@ def _bench(args) -> int:
     except ValueError:
         raise ValueError(f"--seeds {args.seeds!r}: give integers separated by commas") from None
     out = Path(args.output)
+    bl.check_new(out, variants, seeds)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for variant in variants:

@@ -99,6 +99,8 @@ class PolicyActor:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.micro_batches = 0
+        self.stepped = False
+        """Whether the optimizer has applied an update (its state exists only from then on)."""
 
     @property
     def module(self):
@@ -127,6 +129,7 @@ class PolicyActor:
                                              max_grad_norm=max_grad_norm)
         report["micro_batches"] = self.micro_batches
         self.micro_batches = 0
+        self.stepped = self.stepped or report["update_applied"]
         return report
 
     def skip_step(self) -> None:
@@ -136,8 +139,10 @@ class PolicyActor:
         self.micro_batches = 0
 
     def save(self, path: Path, meta: dict) -> None:
-        """Model + optimizer; the meta and tokenizer files make it a checkpoint `marsrl convert
-        mcore-to-hf` exports like one written by `hf-to-mcore`."""
+        """Model + optimizer (the model alone while the optimizer has never stepped: it has no
+        state yet, e.g. a role with no samples so far in a per-role run); the meta and
+        tokenizer files make it a checkpoint `marsrl convert mcore-to-hf` exports like one
+        written by `hf-to-mcore`."""
         import dataclasses
         import json
 
@@ -147,11 +152,14 @@ class PolicyActor:
 
         src = Path(self.hf_dir)
         meta = {**meta, "policy": self.name, "format": FORMAT, "layout": dataclasses.asdict(self.parallel),
-                "hf_config": json.loads((src / "config.json").read_text())}
+                "hf_config": json.loads((src / "config.json").read_text()), "optimizer_stepped": self.stepped}
         tokenizer = {f"tokenizer/{n}": src / n for n in TOKENIZER_FILES if (src / n).is_file()}
-        save_checkpoint(path, self.model, optimizer=self.optimizer, meta=meta, extra_files=tokenizer)
+        save_checkpoint(path, self.model, optimizer=self.optimizer if self.stepped else None, meta=meta,
+                        extra_files=tokenizer)
 
     def load(self, path: Path) -> dict:
-        from megatron_marsrl.megatron.dist_checkpoint import load_checkpoint
+        """Model and, when it was saved with it, optimizer state (`save`)."""
+        from megatron_marsrl.megatron.dist_checkpoint import load_checkpoint, read_meta
 
-        return load_checkpoint(path, self.model, optimizer=self.optimizer)
+        self.stepped = read_meta(path).get("optimizer_stepped", True)
+        return load_checkpoint(path, self.model, optimizer=self.optimizer if self.stepped else None)

@@ -77,10 +77,24 @@ def _evals(run_dir: Path) -> list[dict]:
     return [r for r in records if any(k in r for k in METRICS)]
 
 
+def run_dir_of(out_dir: Path, variant: str, seed: int) -> Path:
+    """Where one (variant, seed) run goes."""
+    return out_dir / f"{variant.replace(':', '_').replace(',', '_').replace('=', '-')}-seed{seed}"
+
+
+def check_new(out_dir: Path, variants: list[str], seeds: list[int]) -> None:
+    """Refuse run directories that exist already (a finished run there would be mistaken for
+    this one, or refused by `marsrl train`), before anything runs."""
+    taken = [str(d) for v in variants for s in seeds if (d := run_dir_of(out_dir, v, s)).exists()]
+    if taken:
+        raise FileExistsError(f"run directories exist already: {', '.join(taken[:3])}; choose another --output "
+                              "or delete them")
+
+
 def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list[str], *,
             timeout: float) -> RunResult:
     """Train one (variant, seed); raises RuntimeError with the run's output tail if it fails."""
-    run_dir = out_dir / f"{variant.replace(':', '_').replace(',', '_').replace('=', '-')}-seed{seed}"
+    run_dir = run_dir_of(out_dir, variant, seed)
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, f"run.output_dir={run_dir}",
            f"run.seed={seed}", "run.progress=false", "run.checkpoint_every=0", *overrides,
            *variant_overrides(variant)]

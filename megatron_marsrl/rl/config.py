@@ -248,6 +248,9 @@ class TrainConfig:
             raise ValueError(f"advantage.estimator={self.advantage.estimator} pools the stages of a problem's "
                              "trajectory, but pipeline mode trains one stage of each problem per step, so its "
                              "groups would be AT-GRPO's: use pipeline.mode=sync, or advantage.estimator=at_grpo")
+        if self.loss.ratio == "sequence" and self.loss.old_logprobs != "rollout":
+            raise ValueError("loss.ratio=sequence (GSPO) needs loss.old_logprobs=rollout: against the trainer's own "
+                             "log-probs every sequence ratio is 1 and GSPO is plain PPO")
         if self.policy.mini_batch_sequences is not None and self.loss.old_logprobs != "rollout":
             raise ValueError("policy.mini_batch_sequences needs loss.old_logprobs=rollout: after the step's first "
                              "update the trainer's own log-probs are no longer those of the policy that generated")

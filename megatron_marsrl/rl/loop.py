@@ -50,12 +50,12 @@ def train(config: TrainConfig, *, resume: bool = False) -> dict:
             try:
                 samples, metrics = trainer.train_while_generating(step)  # rewards -> advantages -> train
             except StepAborted as stopped:
-                trainer.save(step, redo_step=True)  # weights untouched: a resume redoes this step
+                trainer.save(step, redo_step=True)  # a resume redoes this step (see Trainer.save)
                 if not stopped.by_signal:
                     raise
                 log.warning("stopped by signal during step %d; resume with --resume", step + 1)
                 break
-            metrics.update(trainer.optimizer_step())                 # one update per policy
+            metrics.update(trainer.optimizer_step())                 # (the last) update per policy
             metrics.update(trainer.sync_weights(step + 1, trainer.probe(samples)))  # -> engines
             step += 1
             metrics.update(trainer.rollout_metrics(samples, metrics, time.perf_counter() - begin))

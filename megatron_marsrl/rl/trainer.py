@@ -55,9 +55,9 @@ class Trainer:
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
         self.rank = dist.get_rank()
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         if config.warm_start is not None:
             self.hf_dir = self._warm_start(config.warm_start)
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         dtype = _dtype(config.model.dtype)
         self.actors = {name: PolicyActor(name, self.arch, config.parallel, config.optim, hf_dir=str(self.hf_dir),
                                          dtype=dtype, reference=config.policy.reference,
@@ -134,10 +134,14 @@ class Trainer:
         out = self.run_dir / "warm_start"
         settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
                     "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
+                    "clip_grad": self.config.optim.clip_grad,
+                    "data_sha256": None if warm.data == "task" else _sha256(warm.data),
                     "task": [self.config.task.name, self.config.task.train] if warm.data == "task" else None}
         done = out / "hf" / "config.json"
-        if done.is_file() and (out / "settings.json").is_file() and \
-                json.loads((out / "settings.json").read_text()) == settings:
+        reuse = self._broadcast(done.is_file() and (out / "settings.json").is_file() and
+                                json.loads((out / "settings.json").read_text()) == settings
+                                if self.rank == 0 else None)  # rank 0 decides for all
+        if reuse:
             return done.parent
         if warm.data == "task":
             from megatron_marsrl.agents.arithmetic import demonstrations
@@ -506,7 +510,8 @@ class Trainer:
 
     def save(self, step: int, *, redo_step: bool = False) -> Path:
         """Checkpoint after `step` steps; `redo_step`: the running step failed, save the state
-        from its start so that a resume runs it again (the weights were not updated yet)."""
+        from its start so that a resume runs it again (the weights were not updated yet, unless
+        PPO mini-batch updates of the step ran: then they were, and a warning says so)."""
         state = self._broadcast(self.rollout.state_dict(step_start=redo_step) if self.rollout is not None else None)
         if redo_step and any(self._step_updates.values()):
             log.warning("step %d stopped after %d of its PPO mini-batch updates: the checkpoint holds the updated "
@@ -552,7 +557,8 @@ class Trainer:
 
 class StepAborted(RuntimeError):
     """A step could not finish (a stop signal, or engines that failed after their retries);
-    raised on every rank. The weights were not updated, so the step can be redone."""
+    raised on every rank. The step can be redone: the weights were not updated (except by the
+    step's PPO mini-batch updates, `policy.mini_batch_sequences`, if some ran)."""
 
     def __init__(self, message: str, *, by_signal: bool = False):
         super().__init__(message)
@@ -575,6 +581,12 @@ def _dp_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size()
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _trainable(seq: Sequence) -> bool:

@@ -24,6 +24,13 @@ def test_variants_and_grids_name_real_overrides():
         bl.variant_overrides("dr_mas")
 
 
+def test_existing_run_directories_are_refused_before_anything_runs(tmp_path):
+    bl.check_new(tmp_path, ["drmas", "at_grpo"], [1, 2])
+    bl.run_dir_of(tmp_path, "at_grpo", 2).mkdir()
+    with pytest.raises(FileExistsError, match="at_grpo-seed2.*choose another --output"):
+        bl.check_new(tmp_path, ["drmas", "at_grpo"], [1, 2])
+
+
 def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
     def result(variant, seed, solver, system=None):
         final = {"eval/solver/accuracy": solver, **({"eval/system/accuracy": system} if system is not None else {})}

@@ -351,10 +351,13 @@ def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per
 
 @pytest.mark.slow
 def test_one_policy_per_role_with_reference_kl(tmp_path):
-    """policy.sharing=per_role: a Megatron model, optimizer and engine per role, each synced."""
+    """policy.sharing=per_role: a Megatron model, optimizer and engine per role, each synced;
+    resumed from a checkpoint taken before the Corrector's first update (its optimizer had no
+    state to save)."""
     run = tmp_path / "run"
-    train(run, "run.steps=3", "run.checkpoint_every=0", "policy.sharing=per_role", "policy.reference=true",
-          "loss.kl_coef=0.01")
+    per_role = ("run.checkpoint_every=0", "policy.sharing=per_role", "policy.reference=true", "loss.kl_coef=0.01")
+    train(run, "run.steps=2", *per_role)
+    train(run, "run.steps=3", *per_role, "--resume")
     m = step_metrics(run)
     assert m[1]["verifier/trained_nothing"] == 1.0  # no verifier samples before step 2
     for role in ROLES:

@@ -28,11 +28,17 @@ def test_mini_batches_need_the_behaviour_ratio():
         _config("policy.mini_batch_sequences=0", "loss.old_logprobs=rollout")
 
 
+def test_gspo_needs_the_behaviour_ratio():
+    with pytest.raises(OverrideError, match="ratio=sequence \\(GSPO\\) needs loss.old_logprobs=rollout"):
+        _config("loss.ratio=sequence")
+    assert _config("loss.ratio=sequence", "loss.old_logprobs=rollout").loss.ratio == "sequence"
+
+
 def test_behaviour_ratio_makes_tis_redundant_and_bad_names_are_refused():
     with pytest.raises(OverrideError, match="TIS would weigh every token by exactly 1"):
         _config("loss.old_logprobs=rollout", "loss.tis={}")
     with pytest.raises(OverrideError, match="ratio 'tokens' is not one of"):
-        _config("loss.ratio=tokens")
+        _config("loss.ratio=tokens", "loss.old_logprobs=rollout")
     with pytest.raises(OverrideError, match="old_logprobs 'engine' is not one of"):
         _config("loss.old_logprobs=engine")
 
