@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VARIANTS: dict[str, tuple[str, ...]] = {
-    # advantages (whole trajectories per step, so that every estimator sees the same groups)
-    "grpo_pooled": ("pipeline.mode=sync", "advantage.estimator=grpo_pooled"),
-    "drmas": ("pipeline.mode=sync", "advantage.estimator=drmas"),
-    "at_grpo": ("pipeline.mode=sync", "advantage.estimator=at_grpo"),
+    # advantages: whole trajectories per step, so that every estimator sees the same groups, of
+    # four stages (Solver, Verifier, Corrector, Verifier): with one call per role Dr. MAS's
+    # (problem, role) groups would be AT-GRPO's (problem, turn, role) ones
+    "grpo_pooled": ("pipeline.mode=sync", "rollout.max_stages=4", "advantage.estimator=grpo_pooled"),
+    "drmas": ("pipeline.mode=sync", "rollout.max_stages=4", "advantage.estimator=drmas"),
+    "at_grpo": ("pipeline.mode=sync", "rollout.max_stages=4", "advantage.estimator=at_grpo"),
     # which solutions later stages take as inputs
     "select_random": ("rollout.selection=random",),
     "select_balanced": ("rollout.selection=balanced",),
