@@ -248,13 +248,12 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
     from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
     from megatron_marsrl.megatron.hf_checkpoint import save_hf_checkpoint
     from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.megatron.model import train_dtype
 
     run_dir = Path(cfg.output_dir)
     arch = ModelArch.from_hf_dir(cfg.model)
     rank, dp, dp_rank = dist.get_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    actor = PolicyActor("sft", arch, cfg.parallel, cfg.optim, hf_dir=cfg.model, dtype=dtype)
+    actor = PolicyActor("sft", arch, cfg.parallel, cfg.optim, hf_dir=cfg.model, dtype=train_dtype(cfg.dtype))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train = [tokenize_conversation(tokenizer, c) for c in conversations]
     held_out = [tokenize_conversation(tokenizer, c) for c in load_conversations(cfg.eval)] if cfg.eval else []

@@ -20,6 +20,13 @@ from megatron_marsrl.megatron.hf_mapping import padded_vocab_size
 from megatron_marsrl.megatron.parallel import ParallelConfig
 
 
+def train_dtype(name: str) -> torch.dtype:
+    """The dtype a config name trains in: "auto" is bfloat16 on GPU, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def have_transformer_engine() -> bool:
     if not torch.cuda.is_available():
         return False

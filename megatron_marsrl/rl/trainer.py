@@ -24,6 +24,7 @@ from megatron_marsrl.algorithms.losses import PolicyLossInputs, dmmpt_gate, poli
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
+from megatron_marsrl.megatron.model import train_dtype
 from megatron_marsrl.megatron.parallel import init_parallel
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
@@ -33,12 +34,6 @@ from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
 from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
 
 log = logging.getLogger(__name__)
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 class Trainer:
@@ -58,7 +53,7 @@ class Trainer:
         self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
         if config.warm_start is not None:
             self.hf_dir = self._warm_start(config.warm_start)
-        dtype = _dtype(config.model.dtype)
+        dtype = train_dtype(config.model.dtype)
         self.actors = {name: PolicyActor(name, self.arch, config.parallel, config.optim, hf_dir=str(self.hf_dir),
                                          dtype=dtype, reference=config.policy.reference,
                                          moe_aux_loss_coeff=config.model.moe_aux_loss_coeff)
