@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_marsrl.megatron.memory import LOGIT_CHUNK_ELEMENTS
+
 
 def _unwrap(model):
     return model.module if hasattr(model, "module") else model
@@ -153,18 +155,101 @@ def _prepared(model, batch: dict) -> dict:
     return data
 
 
-def _scaled_logits(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature with the TP vocabulary padding masked to -inf (a copy, so
-    vocab_parallel_cross_entropy may modify it in place)."""
+class _TokenStats(torch.autograd.Function):
+    """Per-token log-prob of the label and entropy from TP-sharded logits, in token chunks.
+
+    Forward keeps only the logits (as the model produced them) and two fp32 numbers per token;
+    each chunk's fp32 working copy is dropped before the next. Backward recomputes the chunk's
+    softmax and writes the gradient straight into one tensor of the logits' dtype. The vocabulary
+    padding of the last TP shard (columns >= ``valid``) gets no probability and no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, valid, first, group):
+        ctx.set_materialize_grads(False)
+        width = logits.shape[-1]
+        flat, lab = logits.reshape(-1, width), labels.reshape(-1)
+        log_z = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+        mean_x = torch.empty_like(log_z)
+        logp = torch.empty_like(log_z)
+        step = max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
+        for lo in range(0, flat.shape[0], step):
+            x = flat[lo:lo + step, :valid].float() / temperature
+            top = x.max(dim=-1).values if valid else torch.full(x.shape[:1], float("-inf"), device=x.device)
+            if group is not None:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            shifted = x - top[:, None]
+            e = torch.exp(shifted)
+            mine, at = _label_columns(lab[lo:lo + step], first, valid)
+            sums = torch.stack([e.sum(-1), (e * shifted).sum(-1),
+                                shifted.gather(-1, at[:, None])[:, 0] * mine if valid else torch.zeros_like(top)])
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            log_z[lo:lo + step] = top + torch.log(sums[0])
+            mean_x[lo:lo + step] = top + sums[1] / sums[0]
+            logp[lo:lo + step] = sums[2] - torch.log(sums[0])
+            del x, shifted, e
+        ctx.save_for_backward(logits, labels, log_z, mean_x)
+        ctx.temperature, ctx.valid, ctx.first = temperature, valid, first
+        return logp.view(labels.shape), (log_z - mean_x).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        logits, labels, log_z, mean_x = ctx.saved_tensors
+        t, valid, first = ctx.temperature, ctx.valid, ctx.first
+        width = logits.shape[-1]
+        flat, lab = logits.reshape(-1, width), labels.reshape(-1)
+        grad = torch.zeros_like(flat)
+        g_logp = None if g_logp is None else g_logp.reshape(-1).float()
+        g_entropy = None if g_entropy is None else g_entropy.reshape(-1).float()
+        step = max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
+        for lo in range(0, flat.shape[0], step):
+            hi = min(lo + step, flat.shape[0])
+            x = flat[lo:hi, :valid].float() / t
+            p = torch.exp(x - log_z[lo:hi, None])
+            g = torch.zeros_like(x)
+            if g_logp is not None:  # d logp / dx = onehot(label) - p
+                g -= p * g_logp[lo:hi, None]
+                mine, at = _label_columns(lab[lo:hi], first, valid)
+                g.scatter_add_(-1, at[:, None], (g_logp[lo:hi] * mine)[:, None])
+            if g_entropy is not None:  # d H / dx = -p (x - E_p[x])
+                g -= p * (x - mean_x[lo:hi, None]) * g_entropy[lo:hi, None]
+            grad[lo:hi, :valid] = (g / t).to(grad.dtype)
+            del x, p, g
+        return grad.view(logits.shape), None, None, None, None, None
+
+
+def _label_columns(labels: torch.Tensor, first: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1.0 where the label's column is on this TP shard else 0.0, its local column clamped in range)."""
+    mine = ((labels >= first) & (labels < first + valid)).float()
+    return mine, (labels - first).clamp(0, max(valid - 1, 0))
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each label, entropy of each token's distribution), fp32, from TP-sharded
+    ``logits`` [..., vocab/TP] divided by ``temperature`` (how the engine sampled), over the
+    first ``vocab_size`` columns of the full vocabulary (None: all; the rest is TP padding).
+
+    Both are differentiable. The full fp32 [tokens, vocab/TP] logits never exist: the work runs
+    in chunks of LOGIT_CHUNK_ELEMENTS and backward recomputes each chunk's softmax, so a
+    micro-batch holds its logits in the model's dtype plus, in backward, their gradient
+    (memory.py counts them: LOGIT_COPIES, LOGIT_CHUNK_ELEMENTS). Equal to the unchunked
+    vocab-parallel cross entropy and entropy within fp32 rounding (tests/megatron/test_streamed_training.py)."""
     from megatron.core import parallel_state as ps
 
-    scaled = logits.float() / temperature
-    vocab = getattr(_unwrap(model), "marsrl_vocab_size", None)
-    if vocab is not None:
-        first = ps.get_tensor_model_parallel_rank() * scaled.shape[-1]
-        if first + scaled.shape[-1] > vocab:
-            scaled[..., max(vocab - first, 0):] = float("-inf")
-    return scaled
+    width = logits.shape[-1]
+    tp = ps.get_tensor_model_parallel_world_size()
+    first = ps.get_tensor_model_parallel_rank() * width
+    valid = width if vocab_size is None else min(max(vocab_size - first, 0), width)
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    return _TokenStats.apply(logits, labels, float(temperature), valid, first, group)
+
+
+def _stats(model, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_stats` over ``model``'s true vocabulary (its ``marsrl_vocab_size``)."""
+    return token_stats(logits, labels, temperature=temperature,
+                       vocab_size=getattr(_unwrap(model), "marsrl_vocab_size", None))
 
 
 def _device():
@@ -195,8 +280,6 @@ def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: flo
     divides the logits first, matching how the rollout engine sampled. ``routed_experts``
     (one per micro-batch, or None) replays the engine's MoE routing (routing_replay.py).
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
 
@@ -206,7 +289,7 @@ def token_logprobs(model, micro_batches: list[torch.Tensor], *, temperature: flo
         logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            logp = -vocab_parallel_cross_entropy(_scaled_logits(model, out, temperature), labels)
+            logp, _ = _stats(model, out, labels, temperature)
             return out.sum() * 0.0, {"logprobs": logp[:, : tokens.shape[1] - 1].detach()}
 
         return logits, loss_func
@@ -258,10 +341,6 @@ def _reduce_metrics(out: list[dict]) -> dict[str, float]:
     return {k: float(v) for k, v in zip(keys, values)}
 
 
-ENTROPY_CHUNK = 4096
-"""Sequence positions per chunk of the no-gradient entropy (bounds its memory)."""
-
-
 def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy: bool = False,
                          entropy_grad: bool = False) -> dict[str, float]:
     """Forward and backward of one micro-batch; gradients accumulate in the DDP buffers and the
@@ -273,26 +352,17 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     (``tokens`` [b, s]); either way ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch)
     -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (positions beyond a
     sequence hold 0 when packed). An optional ``batch["routed_experts"]`` replays the engine's
-    MoE routing (routing_replay.py). Entropy is computed without autograd (no [tokens, vocab/TP]
-    tensors kept for backward) unless ``entropy_grad`` (an entropy bonus trains through it).
-    Returns the metrics (floats) on every rank.
+    MoE routing (routing_replay.py). Log-probs and entropy come from :func:`token_stats` (token
+    chunks, no full fp32 logits); the entropy carries gradient only with ``entropy_grad`` (an
+    entropy bonus trains through it). Returns the metrics (floats) on every rank.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    def entropy_of(scaled: torch.Tensor) -> torch.Tensor:
-        if entropy_grad:
-            return vocab_parallel_entropy(scaled)
-        with torch.no_grad():  # a metric: in sequence chunks, so a few vocab-sized temporaries at most
-            return torch.cat([vocab_parallel_entropy(part) for part in scaled.detach().split(ENTROPY_CHUNK, dim=1)],
-                             dim=1)
-
     def step(chunk, data):
         logits, labels, to_rows = _forward(chunk, data)
 
         def loss_func(out):
-            scaled = _scaled_logits(model, out, data.get("temperature", 1.0))
-            entropy = to_rows(entropy_of(scaled)) if with_entropy else None
-            logp = to_rows(-vocab_parallel_cross_entropy(scaled.clone(), labels))
+            logp, entropy = _stats(model, out, labels, data.get("temperature", 1.0))
+            logp = to_rows(logp)
+            entropy = None if not with_entropy else to_rows(entropy if entropy_grad else entropy.detach())
             loss, metrics = loss_fn(logp, entropy, data)
             return loss, {"loss": loss.detach().clone(),
                           **{k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}}
@@ -312,12 +382,10 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
 def micro_batch_logprobs(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``[b, s-1]`` of one micro-batch, packed or rows (as :func:`backward_micro_batch`
     lays them out), without gradient, on every rank (e.g. a frozen reference model's)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     def step(chunk, data):
         logits, labels, to_rows = _forward(chunk, data)
         return logits, lambda out: (out.sum() * 0.0, {"logprobs": to_rows(
-            -vocab_parallel_cross_entropy(_scaled_logits(model, out, temperature), labels)).detach()})
+            _stats(model, out, labels, temperature)[0]).detach()})
 
     with torch.no_grad():
         data = _prepared(model, batch)
@@ -350,20 +418,3 @@ def finish_accumulation(model, optimizer, *, grad_scale: float = 1.0, max_grad_n
     model.zero_grad_buffer()
     optimizer.zero_grad()
     return {"grad_norm": grad_norm, "update_applied": bool(applied)}
-
-
-def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the full vocabulary from TP-sharded ``logits`` [.., v/TP]
-    (padding columns may be -inf). Differentiable: the entropy bonus trains through it."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-    finite = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, -1e30))
-    local_max = finite.detach().max(dim=-1, keepdim=True).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted = finite - local_max
-    exp = torch.exp(shifted)
-    z = reduce_from_tensor_model_parallel_region(exp.sum(-1))
-    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(-1))
-    return torch.log(z) - weighted / z

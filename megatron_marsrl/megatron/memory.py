@@ -38,8 +38,11 @@ flight under 1F1B, the last holds the logits):
   Full recompute keeps only each layer's input, h/p. Every term is per token of the GPU's
   share, micro_batch_tokens / CP.
 * buffers (transient, one at a time): logits of a micro-batch on the last stage,
-  T/CP x vocab/TP x 10 B (bf16 logits, their fp32 copy kept as the softmax for backward, and
-  one fp32 working copy: large for a 152k vocabulary); the MoE all-to-all send and receive
+  T/CP x vocab/TP x LOGIT_COPIES x the parameter bytes (the logits, kept for backward, and
+  their gradient, plus one layout copy: Megatron's [s, b] -> [b, s] transpose in forward, its
+  gradient's in backward), plus the fp32 temporaries of one chunk of forward.token_stats
+  (LOGIT_CHUNK_ELEMENTS x 4 B x LOGIT_CHUNK_TEMPORARIES; no full fp32 copy of the logits
+  exists); the MoE all-to-all send and receive
   buffers (2 x routed copies x h, bf16); one layer's activations as the backward working set
   (two with full recompute: the recomputed forward and its gradients); CP ring K/V chunks.
 
@@ -63,8 +66,13 @@ from megatron_marsrl.megatron.hf_mapping import padded_vocab_size
 from megatron_marsrl.megatron.parallel import LayoutError, ParallelConfig
 
 GIB = 2**30
-LOGIT_BYTES = 10
-"""Bytes per logit element at the peak of the log-prob computation (see module docstring)."""
+LOGIT_COPIES = 3
+"""Logit-sized tensors in the parameter dtype at the peak of the loss path (module docstring)."""
+LOGIT_CHUNK_ELEMENTS = 2**24
+"""Logit elements per chunk of forward.token_stats (64 MiB per fp32 temporary)."""
+LOGIT_CHUNK_TEMPORARIES = 4
+"""fp32 chunk-sized tensors alive at once in token_stats (the chunk, its shifted and
+exponentiated copies, one product)."""
 
 
 class MemoryBudgetError(ValueError):
@@ -324,7 +332,10 @@ def _activations(arch: ModelArch, par: ParallelConfig, cfg: MemoryConfig, stage:
         buffers += 4 * tokens * arch.moe_topk * par.expert_tp / p * arch.hidden_size
     if cfg.cp > 1:
         buffers += 2 * 2 * tokens * 2 * arch.num_key_value_heads * arch.head_dim / par.tp
-    logits = tokens * padded_vocab_size(arch.vocab_size, par.tp) / par.tp * LOGIT_BYTES if last else 0.0
+    logits = 0.0
+    if last:
+        elements = tokens * padded_vocab_size(arch.vocab_size, par.tp) / par.tp
+        logits = elements * LOGIT_COPIES * cfg.param_bytes + min(elements, LOGIT_CHUNK_ELEMENTS) * 4 * LOGIT_CHUNK_TEMPORARIES
     return saved, logits, buffers
 
 

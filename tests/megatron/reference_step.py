@@ -10,6 +10,21 @@ import torch
 import torch.distributed as dist
 
 
+def _unchunked(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The full fp32 logits / temperature with the TP vocabulary padding at -inf: the plain
+    path that forward.token_stats (what the trainer runs) computes in chunks."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_marsrl.megatron.forward import _unwrap
+
+    scaled = logits.float() / temperature
+    vocab = getattr(_unwrap(model), "marsrl_vocab_size", None)
+    first = ps.get_tensor_model_parallel_rank() * scaled.shape[-1]
+    if vocab is not None and first + scaled.shape[-1] > vocab:
+        scaled[..., max(vocab - first, 0):] = float("-inf")
+    return scaled
+
+
 def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -> dict:
     """One optimizer step over ``micro_batches`` (gradients accumulated, synced once).
 
@@ -21,8 +36,7 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_marsrl.megatron.forward import (_device, _positions, _reduce_metrics, _run_schedule,
-                                                  _scaled_logits, _shifted)
+    from megatron_marsrl.megatron.forward import _device, _positions, _reduce_metrics, _run_schedule, _shifted
 
     def step(chunk, batch):
         tokens = batch["tokens"]
@@ -30,7 +44,7 @@ def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -
         logits = chunk(inputs, _positions(inputs), None)
 
         def loss_func(out):
-            logp = -vocab_parallel_cross_entropy(_scaled_logits(model, out, batch.get("temperature", 1.0)), labels)
+            logp = -vocab_parallel_cross_entropy(_unchunked(model, out, batch.get("temperature", 1.0)), labels)
             loss, metrics = loss_fn(logp[:, : tokens.shape[1] - 1], batch)
             # clone(): the schedule divides the returned loss in place by the micro-batch count.
             return loss, {"loss": loss.detach().clone(),

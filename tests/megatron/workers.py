@@ -129,16 +129,44 @@ def streamed_vs_step(hf_dir: str, layout: dict, steps: int = 2) -> float | None:
     return None if a is None else float((a - b).abs().max())
 
 
-def entropy_matches_reference(hf_dir: str, layout: dict) -> float:
-    """|vocab-parallel entropy - full-softmax entropy| on random logits split over TP."""
+def token_stats_vs_reference(hf_dir: str, layout: dict, chunk_elements: int) -> dict[str, float]:
+    """Largest |chunked token_stats - reference| over TP-sharded random logits: log-probs and
+    entropy against a full-softmax computation (and log-probs against Megatron's unchunked
+    vocab-parallel cross entropy), and the gradient each rank gets for its shard of the logits
+    under a loss mixing both, against autograd through the full softmax."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_marsrl.megatron.forward import vocab_parallel_entropy
+    from megatron_marsrl.megatron import forward
 
     _setup(hf_dir, layout)
-    full = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3
-    full[..., -3:] = float("-inf")  # TP vocabulary padding
+    gen = torch.Generator().manual_seed(3)
+    vocab, padded, temperature = 61, 64, 0.7
+    full = torch.randn(3, 7, padded, generator=gen) * 4
+    labels = torch.randint(0, vocab, (3, 7), generator=gen)
+    labels[0, :3] = vocab - 1  # labels on the last shard, next to its padding
+    w_logp, w_ent = torch.randn(3, 7, generator=gen), torch.randn(3, 7, generator=gen)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    mine = full.chunk(tp, dim=-1)[rank]
-    ref = torch.distributions.Categorical(logits=full).entropy()
-    return float((vocab_parallel_entropy(mine) - ref).abs().max())
+
+    ref_in = full.clone().requires_grad_(True)
+    scaled = ref_in[..., :vocab] / temperature
+    ref_logp = torch.log_softmax(scaled, -1).gather(-1, labels[..., None])[..., 0]
+    ref_ent = torch.distributions.Categorical(logits=scaled).entropy()
+    ((ref_logp * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
+
+    forward.LOGIT_CHUNK_ELEMENTS, saved = chunk_elements, forward.LOGIT_CHUNK_ELEMENTS
+    try:
+        mine = full.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
+        logp, ent = forward.token_stats(mine, labels, temperature=temperature, vocab_size=vocab)
+        ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    finally:
+        forward.LOGIT_CHUNK_ELEMENTS = saved
+    first = rank * mine.shape[-1]
+    masked = full.chunk(tp, dim=-1)[rank].clone() / temperature
+    masked[..., max(vocab - first, 0):] = float("-inf")
+    unchunked = -vocab_parallel_cross_entropy(masked, labels)
+    padding = mine.grad[..., max(vocab - first, 0):]
+    return {"logp": float((logp - ref_logp).abs().max()), "entropy": float((ent - ref_ent).abs().max()),
+            "logp_vs_megatron": float((logp - unchunked).abs().max()),
+            "grad": float((mine.grad - ref_in.grad.chunk(tp, dim=-1)[rank]).abs().max()),
+            "padding_grad": float(padding.abs().max()) if padding.numel() else 0.0}
