@@ -13,8 +13,8 @@ flight under 1F1B, the last holds the logits):
 
 * parameters: bf16. Dense weights (attention, dense MLP, embeddings) are split over TP and
   PP; norms and the router are replicated over TP; experts are split over EP x ETP (and PP).
-* gradients: fp32 main-grad buffers (``grad_reduce_in_fp32`` as ``optim.py`` sets it), one per
-  local parameter; the distributed optimizer does not shard them.
+* gradients: main-grad buffers, fp32 (``optim.grad_reduce_in_fp32``, the default) or in the
+  parameter dtype, one per local parameter; the distributed optimizer does not shard them.
 * optimizer: fp32 main params + Adam m and v (12 B/param; 8 B when params are fp32), sharded
   over DP x CP for dense and over expert-DP = world / (EP x ETP x PP) for expert weights by
   the distributed optimizer; a fraction of it may live in host memory (CPU offload).
@@ -127,7 +127,8 @@ class MemoryConfig:
     param_bytes: int = 2
     """Bytes per model parameter: 2 for bf16 training, 4 for fp32."""
     grad_bytes: int = 4
-    """Bytes per gradient element: 4 with fp32 grad buffers (optim.py's grad_reduce_in_fp32)."""
+    """Bytes per gradient element: 4 with fp32 grad buffers (optim.grad_reduce_in_fp32, the
+    default), 2 with bf16 ones."""
     optimizer_offload_fraction: float = 0.0
     """Fraction of optimizer state (main params and moments) kept in host memory (Megatron
     optimizer_cpu_offload; requires the distributed optimizer)."""

@@ -134,7 +134,8 @@ def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
                                    weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
     fp32 = config.model.dtype == "float32"
     return MemoryConfig(world_size=world_size, micro_batch_tokens=_micro_batch_tokens(config, arch),
-                        param_bytes=4 if fp32 else 2, optimizer_offload_fraction=config.optim.cpu_offload_fraction,
+                        param_bytes=4 if fp32 else 2, grad_bytes=4 if fp32 or config.optim.grad_reduce_in_fp32 else 2,
+                        optimizer_offload_fraction=config.optim.cpu_offload_fraction,
                         offload_trainer_in_rollout=False, rollout=rollout)
 
 

@@ -170,3 +170,38 @@ def token_stats_vs_reference(hf_dir: str, layout: dict, chunk_elements: int) -> 
             "logp_vs_megatron": float((logp - unchunked).abs().max()),
             "grad": float((mine.grad - ref_in.grad.chunk(tp, dim=-1)[rank]).abs().max()),
             "padding_grad": float(padding.abs().max()) if padding.numel() else 0.0}
+
+
+def grad_buffer_precision(hf_dir: str, layout: dict, micro_batches: int = 8) -> dict:
+    """Accumulate one RL-like step (advantages of both signs) into bf16-parameter models with
+    fp32 and with bf16 gradient buffers; reduce over data-parallel ranks; report each buffer's
+    dtype and the relative L2 error of the bf16 buffers' gradient against the fp32 ones."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_marsrl.megatron.forward import backward_micro_batch
+    from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
+    from megatron_marsrl.megatron.model import build_model
+    from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+
+    arch, parallel, model_a = _setup(hf_dir, layout)
+    models = []
+    for fp32_buffers, model in ((True, model_a), (False, None)):
+        if model is None:
+            model = build_model(arch, parallel)
+            load_hf_weights(model, arch, hf_dir)
+        model.bfloat16()
+        model.config.bf16, model.config.params_dtype = True, torch.bfloat16
+        ddp, _ = wrap_ddp_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.1, grad_reduce_in_fp32=fp32_buffers))
+        models.append(ddp)
+    gen = torch.Generator().manual_seed(11 + torch.distributed.get_rank())
+    for _ in range(micro_batches):
+        tokens = torch.randint(0, arch.vocab_size, (1, 24), generator=gen)
+        advantage = float(torch.randn((), generator=gen))
+        for ddp in models:
+            backward_micro_batch(ddp, {"tokens": tokens}, lambda logp, ent, b, a=advantage: (-a * logp.sum(), {}))
+    grads = []
+    for ddp in models:
+        finalize_model_grads([ddp])
+        grads.append(torch.cat([p.main_grad.float().flatten() for p in ddp.module.parameters()]))
+    dtypes = [str(next(iter(ddp.module.parameters())).main_grad.dtype) for ddp in models]
+    return {"dtypes": dtypes, "relative_error": float((grads[1] - grads[0]).norm() / grads[0].norm())}

@@ -193,3 +193,14 @@ def test_recipe_kv_pool_bytes_from_the_model_shape(name):
     # the pool fits the budget: everything else at the train + generate peak, plus this KV, leaves the reserve
     at_once = float(re.search(r"train \+ generate at once.*: ([\d.]+) GiB", result.report).group(1))
     assert at_once - reported + kv_gib <= 80.0 - 6.0
+
+
+def test_bf16_gradient_buffers_halve_the_planned_gradients():
+    from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.rl.dry_run import estimate
+
+    arch = ModelArch.from_hf_dict(QWEN3_30B_A3B_THINKING_2507)
+    fp32 = estimate(_config("qwen3_30b_a3b_h100x8"), arch, 8)
+    bf16 = estimate(_config("qwen3_30b_a3b_h100x8", "optim.grad_reduce_in_fp32=false"), arch, 8)
+    assert bf16.grads_gib == pytest.approx(fp32.grads_gib / 2) and fp32.grads_gib > 5
+    assert bf16.params_gib == fp32.params_gib
