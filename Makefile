@@ -16,7 +16,7 @@ test:
 test-fast:
 	@scripts/test.sh -m "not slow"
 
-# The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (~7 minutes).
+# The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (~8 minutes).
 run:
 	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$$env/bin/marsrl" train --recipe tiny_arithmetic_sft_rl run.output_dir=outputs/tiny_arithmetic_sft_rl-$$(date +%Y%m%d-%H%M%S)
 

@@ -126,22 +126,32 @@ CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
 ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR)
 
 
-def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES) -> list[list[Message]]:
-    """Supervised conversations for a warm start (`marsrl sft` data): for each problem the Solver
-    giving the answer, the Verifier judging the right answer ("yes") and a near miss ("no"),
-    and the Corrector fixing the near miss. Deterministic in `seed`."""
+def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES, judged: int = 4) -> list[list[Message]]:
+    """Supervised conversations for a warm start (`marsrl sft` data). For each problem: the Solver
+    giving the answer; the Verifier judging `judged` wrong solutions ("no": a near miss, then
+    others within 9 of the answer) each next to the right one ("yes"), so its verdicts are
+    balanced; the Corrector fixing the near miss. Deterministic in `seed`.
+
+    Judging many wrong solutions is what makes the Verifier compare rather than recognise: with
+    one near miss per problem a tiny model learns to accept anything but that near miss (and
+    the extra checks also teach it, and through it the Solver, more arithmetic)."""
     import random
 
+    if judged < 1:
+        raise ValueError(f"demonstrations: judged={judged} must be >= 1")
     rng = random.Random(f"demonstrations:{seed}")
     out: list[list[Message]] = []
     for p in problems:
         right = int(p.answer)
-        wrong = str(max(0, right + rng.choice([-3, -2, -1, 1, 2, 3])) if right > 2 else right + rng.randint(1, 3))
+        near = max(0, right + rng.choice([-3, -2, -1, 1, 2, 3])) if right > 2 else right + rng.randint(1, 3)
+        others = [v for v in range(max(0, right - 9), right + 10) if v not in (right, near)]
+        wrongs = [str(near)] + [str(v) for v in rng.sample(others, min(judged - 1, len(others)))]
         out.append(roles.solver.build_prompt({"problem": p.problem}) + [{"role": "assistant", "content": p.answer}])
-        for solution, verdict in ((p.answer, "yes"), (wrong, "no")):
-            out.append(roles.verifier.build_prompt({"problem": p.problem, "solution": solution})
-                       + [{"role": "assistant", "content": verdict}])
-        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrong, "report": "no"})
+        for wrong in wrongs:
+            for solution, verdict in ((p.answer, "yes"), (wrong, "no")):
+                out.append(roles.verifier.build_prompt({"problem": p.problem, "solution": solution})
+                           + [{"role": "assistant", "content": verdict}])
+        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrongs[0], "report": "no"})
                    + [{"role": "assistant", "content": p.answer}])
     return out
 

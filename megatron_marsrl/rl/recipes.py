@@ -13,7 +13,7 @@ from megatron_marsrl.agents.client import SamplingParams
 from megatron_marsrl.agents.rollout import RolloutConfig
 from megatron_marsrl.agents.system import SystemConfig
 from megatron_marsrl.algorithms.advantages import AdvantageConfig
-from megatron_marsrl.algorithms.losses import PolicyLossConfig
+from megatron_marsrl.algorithms.losses import DMMPTConfig, PolicyLossConfig
 from megatron_marsrl.megatron.optim import OptimConfig
 from megatron_marsrl.megatron.parallel import ParallelConfig
 from megatron_marsrl.rl.config import (ModelConfig, PipelineConfig, PolicyConfig, RunConfig, TaskConfig, TrainConfig,
@@ -55,15 +55,19 @@ def tiny_arithmetic() -> TrainConfig:
 
 
 def tiny_arithmetic_sft_rl() -> TrainConfig:
-    """The embedded CPU main job (`make run`, ~7 minutes on 2 cores): the tiny Qwen3-MoE of
+    """The embedded CPU main job (`make run`, ~8 minutes on 2 cores): the tiny Qwen3-MoE of
     `tiny_arithmetic`, warm-started by supervised fine-tuning on the task's demonstrations of
-    the training problems (20 epochs, ~20 s), then 300 RL steps with one model per role. RL
-    raises the held-out Solver accuracy and the Corrector's fix rate; the Verifier does not
-    learn to tell right from wrong (README: what it learns and what it does not)."""
+    the training problems (45 epochs, ~2 minutes), then 300 RL steps with one model per role.
+    RL raises the held-out Solver accuracy, the Verifier's balanced accuracy, the Corrector's
+    fix rate and the V-C system's accuracy (README: what it learns and what it does not)."""
     config = tiny_arithmetic()
     config.run = RunConfig(steps=300, output_dir="outputs/tiny_arithmetic_sft_rl", seed=1234, checkpoint_every=100,
                            eval_every=100)
-    config.warm_start = WarmStartConfig(epochs=20, lr=3e-3)
+    # 45 epochs of demonstrations in which the Verifier judges four wrong solutions per problem
+    # (agents/arithmetic.demonstrations): with fewer (or one near miss per problem) the model
+    # memorises the training answers without learning to compare, and RL cannot teach the
+    # Verifier from there (held-out balanced accuracy stays ~0.5-0.7).
+    config.warm_start = WarmStartConfig(epochs=45, lr=3e-3)
     # all 18 held-out expressions of this difficulty; the V-C loop runs on them at each evaluation
     config.task = TaskConfig(name="arithmetic", train=f"arithmetic:train?n=128&seed=0&{_ARITHMETIC}",
                              eval=f"arithmetic:eval?n=18&seed=0&{_ARITHMETIC}", eval_size=18,
@@ -78,6 +82,10 @@ def tiny_arithmetic_sft_rl() -> TrainConfig:
                                    format_penalty=0.5,
                                    sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=3))
     config.pipeline = PipelineConfig(mode="pipeline", problems_per_step=16)
+    # MarsRL's DMMPT: once a policy's token entropy is below 0.3 nats, the tokens of right
+    # answers it already gives > 0.99 probability train no further. Same held-out figures as
+    # without it, but the Verifier's entropy ends at 0.04 nats instead of 0.006.
+    config.loss = PolicyLossConfig(aggregation="seq-mean-token-mean", dmmpt=DMMPTConfig())
     return config
 
 

@@ -121,23 +121,13 @@ class Trainer:
         """Supervised fine-tuning of the starting checkpoint (sft.fine_tune on these ranks) into
         run_dir/warm_start/hf, unless a finished one with the same settings is there."""
         import dataclasses
+        import hashlib
         import json
 
         from megatron_marsrl import outputs, sft
         from megatron_marsrl.megatron.optim import OptimConfig
 
         out = self.run_dir / "warm_start"
-        settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
-                    "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
-                    "clip_grad": self.config.optim.clip_grad,
-                    "data_sha256": None if warm.data == "task" else _sha256(warm.data),
-                    "task": [self.config.task.name, self.config.task.train] if warm.data == "task" else None}
-        done = out / "hf" / "config.json"
-        reuse = self._broadcast(done.is_file() and (out / "settings.json").is_file() and
-                                json.loads((out / "settings.json").read_text()) == settings
-                                if self.rank == 0 else None)  # rank 0 decides for all
-        if reuse:
-            return done.parent
         if warm.data == "task":
             from megatron_marsrl.agents.arithmetic import demonstrations
             from megatron_marsrl.rl.data import dataset_from_spec
@@ -147,6 +137,17 @@ class Trainer:
                                            roles=role_set(self.config.task.name))
         else:
             conversations = sft.load_conversations(warm.data)
+        # the conversations themselves are part of the key: a changed file or task reruns it
+        digest = hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
+        settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
+                    "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
+                    "clip_grad": self.config.optim.clip_grad, "conversations_sha256": digest}
+        done = out / "hf" / "config.json"
+        reuse = self._broadcast(done.is_file() and (out / "settings.json").is_file() and
+                                json.loads((out / "settings.json").read_text()) == settings
+                                if self.rank == 0 else None)  # rank 0 decides for all
+        if reuse:
+            return done.parent
         cfg = sft.SFTConfig(model=str(self.hf_dir), data=warm.data, output_dir=str(out), epochs=warm.epochs,
                             batch_sequences=warm.batch_sequences, dtype=self.config.model.dtype,
                             seed=self.config.run.seed, parallel=self.config.parallel,
@@ -576,12 +577,6 @@ def _dp_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size()
-
-
-def _sha256(path: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _trainable(seq: Sequence) -> bool:

@@ -292,20 +292,21 @@ def _wait_for(condition, proc, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
-def test_main_job_warm_starts_then_rl_raises_held_out_solver_accuracy_and_fix_rate(tmp_path):
-    """The README's main job (`make run`), two thirds of its steps (CI time): the warm start
-    answers in the task's format, RL raises the held-out Solver accuracy and the Corrector's
-    fix rate, every held-out figure is logged and drawn."""
+def test_main_job_warm_starts_then_rl_improves_every_role_on_held_out_problems(tmp_path):
+    """The README's main job (`make run`), its first 100 of 300 steps (CI time): the warm start
+    answers in the task's format; RL raises the held-out Solver accuracy, the Verifier's
+    balanced accuracy and the Corrector's fix rate; every held-out figure is logged and drawn."""
     run = tmp_path / "run"
-    proc = train(run, "run.steps=200", recipe="tiny_arithmetic_sft_rl", timeout=1200)
-    assert "warm start: 320 SFT steps on 512 conversations" in proc.stdout
+    proc = train(run, "run.steps=100", recipe="tiny_arithmetic_sft_rl", timeout=1200)
+    assert "warm start: 1800 SFT steps on 1280 conversations" in proc.stdout
     evals = eval_metrics(run)
-    assert sorted(evals) == [0, 100, 200]
-    first, last = evals[0], evals[200]
+    assert sorted(evals) == [0, 100]
+    first, last = evals[0], evals[100]
     assert first["eval/solver/parse_fail"] < 0.1  # the warm start answers in the task's format
     assert last["eval/solver/accuracy"] > first["eval/solver/accuracy"] + 0.1
+    assert last["eval/verifier/balanced_accuracy"] > max(first["eval/verifier/balanced_accuracy"], 0.7)
     assert last["eval/corrector/fix_rate"] > first["eval/corrector/fix_rate"]
-    for key in ("eval/verifier/balanced_accuracy", "eval/system/accuracy", "eval/system/solver_accuracy"):
+    for key in ("eval/system/accuracy", "eval/system/solver_accuracy"):
         assert 0.0 <= last[key] <= 1.0, key
     assert (run / "heldout.png").stat().st_size > 1000 and "Held-out curves:" in proc.stdout
     assert (run / "warm_start" / "hf" / "config.json").is_file()

@@ -56,12 +56,23 @@ def test_task_demonstrations_teach_each_role_the_right_reply():
     from megatron_marsrl.rl.data import dataset_from_spec
 
     problems = dataset_from_spec("arithmetic:train?n=20&seed=0&max_operand=9&max_terms=2&ops=%2B-")
-    chats = arithmetic.demonstrations(problems, seed=0)
-    assert len(chats) == 4 * len(problems)
-    for p, (solve, right, wrong, fix) in zip(problems, (chats[i:i + 4] for i in range(0, len(chats), 4))):
+    chats = arithmetic.demonstrations(problems, seed=0, judged=3)
+    per = 1 + 2 * 3 + 1
+    assert len(chats) == per * len(problems)
+    for p, group in zip(problems, (chats[i:i + per] for i in range(0, len(chats), per))):
+        solve, checks, fix = group[0], group[1:-1], group[-1]
         assert solve[-1]["content"] == p.answer and fix[-1]["content"] == p.answer
-        assert right[-1]["content"] == "yes" and wrong[-1]["content"] == "no"
-        shown = wrong[0]["content"].split("=")[-1].strip(" :")
-        assert shown != p.answer and 1 <= abs(int(shown) - int(p.answer)) <= 3 and int(shown) >= 0
-        assert arithmetic.parse_verdict(right[-1]["content"]).value == "correct"
-    assert arithmetic.demonstrations(problems, seed=0) == chats != arithmetic.demonstrations(problems, seed=1)
+        shown = [c[0]["content"].split("=")[-1].strip(" :") for c in checks]
+        verdicts = [c[-1]["content"] for c in checks]
+        assert verdicts == ["yes", "no"] * 3  # balanced: each wrong solution next to the right one
+        assert shown[0::2] == [p.answer] * 3
+        wrong = shown[1::2]
+        assert len(set(wrong)) == 3 and p.answer not in wrong
+        assert all(int(w) >= 0 and abs(int(w) - int(p.answer)) <= 9 for w in wrong)
+        assert 1 <= abs(int(wrong[0]) - int(p.answer)) <= 3  # the first is a near miss, the one fixed
+        assert fix[0]["content"].endswith(f"= {wrong[0]} no =")
+        assert arithmetic.parse_verdict(checks[0][-1]["content"]).value == "correct"
+    assert (arithmetic.demonstrations(problems, seed=0, judged=3) == chats
+            != arithmetic.demonstrations(problems, seed=1, judged=3))
+    with pytest.raises(ValueError, match="judged=0 must be >= 1"):
+        arithmetic.demonstrations(problems, seed=0, judged=0)
