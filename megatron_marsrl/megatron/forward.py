@@ -165,46 +165,44 @@ class _TokenStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, valid, first, group):
+    def forward(ctx, logits, labels, temperature, valid, first, group, with_entropy):
         ctx.set_materialize_grads(False)
-        width = logits.shape[-1]
-        flat, lab = logits.reshape(-1, width), labels.reshape(-1)
+        flat, lab = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         log_z = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-        mean_x = torch.empty_like(log_z)
+        mean_x = torch.empty_like(log_z) if with_entropy else None
         logp = torch.empty_like(log_z)
-        step = max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
-        for lo in range(0, flat.shape[0], step):
-            x = flat[lo:lo + step, :valid].float() / temperature
+        for lo, hi in _token_chunks(flat):
+            x = flat[lo:hi, :valid].float() / temperature
             top = x.max(dim=-1).values if valid else torch.full(x.shape[:1], float("-inf"), device=x.device)
             if group is not None:
                 dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             shifted = x - top[:, None]
             e = torch.exp(shifted)
-            mine, at = _label_columns(lab[lo:lo + step], first, valid)
-            sums = torch.stack([e.sum(-1), (e * shifted).sum(-1),
-                                shifted.gather(-1, at[:, None])[:, 0] * mine if valid else torch.zeros_like(top)])
+            mine, at = _label_columns(lab[lo:hi], first, valid)
+            # rows: sum of exp, the label's shifted logit, and (entropy only) sum of exp * shifted
+            sums = torch.stack([e.sum(-1), shifted.gather(-1, at[:, None])[:, 0] * mine if valid else
+                                torch.zeros_like(top)] + ([(e * shifted).sum(-1)] if with_entropy else []))
             if group is not None:
                 dist.all_reduce(sums, group=group)
-            log_z[lo:lo + step] = top + torch.log(sums[0])
-            mean_x[lo:lo + step] = top + sums[1] / sums[0]
-            logp[lo:lo + step] = sums[2] - torch.log(sums[0])
+            log_z[lo:hi] = top + torch.log(sums[0])
+            logp[lo:hi] = sums[1] - torch.log(sums[0])
+            if with_entropy:
+                mean_x[lo:hi] = top + sums[2] / sums[0]
             del x, shifted, e
         ctx.save_for_backward(logits, labels, log_z, mean_x)
         ctx.temperature, ctx.valid, ctx.first = temperature, valid, first
-        return logp.view(labels.shape), (log_z - mean_x).view(labels.shape)
+        entropy = (log_z - mean_x).view(labels.shape) if with_entropy else None
+        return logp.view(labels.shape), entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
         logits, labels, log_z, mean_x = ctx.saved_tensors
         t, valid, first = ctx.temperature, ctx.valid, ctx.first
-        width = logits.shape[-1]
-        flat, lab = logits.reshape(-1, width), labels.reshape(-1)
+        flat, lab = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         grad = torch.zeros_like(flat)
         g_logp = None if g_logp is None else g_logp.reshape(-1).float()
         g_entropy = None if g_entropy is None else g_entropy.reshape(-1).float()
-        step = max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
-        for lo in range(0, flat.shape[0], step):
-            hi = min(lo + step, flat.shape[0])
+        for lo, hi in _token_chunks(flat):
             x = flat[lo:hi, :valid].float() / t
             p = torch.exp(x - log_z[lo:hi, None])
             g = torch.zeros_like(x)
@@ -216,7 +214,13 @@ class _TokenStats(torch.autograd.Function):
                 g -= p * (x - mean_x[lo:hi, None]) * g_entropy[lo:hi, None]
             grad[lo:hi, :valid] = (g / t).to(grad.dtype)
             del x, p, g
-        return grad.view(logits.shape), None, None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None, None
+
+
+def _token_chunks(flat: torch.Tensor) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of ``flat`` [tokens, width] holding about LOGIT_CHUNK_ELEMENTS each."""
+    rows, step = flat.shape[0], max(1, LOGIT_CHUNK_ELEMENTS // max(flat.shape[1], 1))
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
 def _label_columns(labels: torch.Tensor, first: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,10 +230,11 @@ def _label_columns(labels: torch.Tensor, first: int, valid: int) -> tuple[torch.
 
 
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each label, entropy of each token's distribution), fp32, from TP-sharded
-    ``logits`` [..., vocab/TP] divided by ``temperature`` (how the engine sampled), over the
-    first ``vocab_size`` columns of the full vocabulary (None: all; the rest is TP padding).
+                vocab_size: int | None = None, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each label, entropy of each token's distribution or None without
+    ``with_entropy``), fp32, from TP-sharded ``logits`` [..., vocab/TP] divided by
+    ``temperature`` (how the engine sampled), over the first ``vocab_size`` columns of the full
+    vocabulary (None: all; the rest is TP padding).
 
     Both are differentiable. The full fp32 [tokens, vocab/TP] logits never exist: the work runs
     in chunks of LOGIT_CHUNK_ELEMENTS and backward recomputes each chunk's softmax, so a
@@ -243,12 +248,13 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
     first = ps.get_tensor_model_parallel_rank() * width
     valid = width if vocab_size is None else min(max(vocab_size - first, 0), width)
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    return _TokenStats.apply(logits, labels, float(temperature), valid, first, group)
+    return _TokenStats.apply(logits, labels, float(temperature), valid, first, group, with_entropy)
 
 
-def _stats(model, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats(model, logits: torch.Tensor, labels: torch.Tensor, temperature: float, *,
+           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_stats` over ``model``'s true vocabulary (its ``marsrl_vocab_size``)."""
-    return token_stats(logits, labels, temperature=temperature,
+    return token_stats(logits, labels, temperature=temperature, with_entropy=with_entropy,
                        vocab_size=getattr(_unwrap(model), "marsrl_vocab_size", None))
 
 
@@ -360,7 +366,7 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
         logits, labels, to_rows = _forward(chunk, data)
 
         def loss_func(out):
-            logp, entropy = _stats(model, out, labels, data.get("temperature", 1.0))
+            logp, entropy = _stats(model, out, labels, data.get("temperature", 1.0), with_entropy=with_entropy)
             logp = to_rows(logp)
             entropy = None if not with_entropy else to_rows(entropy if entropy_grad else entropy.detach())
             loss, metrics = loss_fn(logp, entropy, data)

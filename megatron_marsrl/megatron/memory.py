@@ -336,7 +336,8 @@ def _activations(arch: ModelArch, par: ParallelConfig, cfg: MemoryConfig, stage:
     logits = 0.0
     if last:
         elements = tokens * padded_vocab_size(arch.vocab_size, par.tp) / par.tp
-        logits = elements * LOGIT_COPIES * cfg.param_bytes + min(elements, LOGIT_CHUNK_ELEMENTS) * 4 * LOGIT_CHUNK_TEMPORARIES
+        chunk_temporaries = min(elements, LOGIT_CHUNK_ELEMENTS) * 4 * LOGIT_CHUNK_TEMPORARIES
+        logits = elements * LOGIT_COPIES * cfg.param_bytes + chunk_temporaries
     return saved, logits, buffers
 
 

@@ -10,19 +10,23 @@ import torch
 import torch.distributed as dist
 
 
-def _unchunked(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The full fp32 logits / temperature with the TP vocabulary padding at -inf: the plain
-    path that forward.token_stats (what the trainer runs) computes in chunks."""
+def padding_masked(scaled: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """``scaled`` (this TP rank's shard of fp32 logits) with the columns beyond the true
+    vocabulary ``vocab`` (None: no padding) set to -inf, in place."""
     from megatron.core import parallel_state as ps
 
-    from megatron_marsrl.megatron.forward import _unwrap
-
-    scaled = logits.float() / temperature
-    vocab = getattr(_unwrap(model), "marsrl_vocab_size", None)
     first = ps.get_tensor_model_parallel_rank() * scaled.shape[-1]
     if vocab is not None and first + scaled.shape[-1] > vocab:
         scaled[..., max(vocab - first, 0):] = float("-inf")
     return scaled
+
+
+def _unchunked(model, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The full fp32 logits / temperature with the TP vocabulary padding at -inf: the plain
+    path that forward.token_stats (what the trainer runs) computes in chunks."""
+    from megatron_marsrl.megatron.forward import _unwrap
+
+    return padding_masked(logits.float() / temperature, getattr(_unwrap(model), "marsrl_vocab_size", None))
 
 
 def train_step(model, optimizer, micro_batches: list[dict], loss_fn: Callable) -> dict:

@@ -138,6 +138,7 @@ def token_stats_vs_reference(hf_dir: str, layout: dict, chunk_elements: int) -> 
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_marsrl.megatron import forward
+    from tests.megatron.reference_step import padding_masked
 
     _setup(hf_dir, layout)
     gen = torch.Generator().manual_seed(3)
@@ -152,23 +153,32 @@ def token_stats_vs_reference(hf_dir: str, layout: dict, chunk_elements: int) -> 
     scaled = ref_in[..., :vocab] / temperature
     ref_logp = torch.log_softmax(scaled, -1).gather(-1, labels[..., None])[..., 0]
     ref_ent = torch.distributions.Categorical(logits=scaled).entropy()
-    ((ref_logp * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
+    ((ref_logp * w_logp).sum() + (ref_ent * w_ent).sum()).backward(retain_graph=True)
+    ref_grad = ref_in.grad
 
     forward.LOGIT_CHUNK_ELEMENTS, saved = chunk_elements, forward.LOGIT_CHUNK_ELEMENTS
     try:
         mine = full.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
         logp, ent = forward.token_stats(mine, labels, temperature=temperature, vocab_size=vocab)
         ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+        alone = full.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
+        logp_alone, no_entropy = forward.token_stats(alone, labels, temperature=temperature, vocab_size=vocab,
+                                                     with_entropy=False)
+        (logp_alone * w_logp).sum().backward()
     finally:
         forward.LOGIT_CHUNK_ELEMENTS = saved
+    ref_in.grad = None
+    (ref_logp * w_logp).sum().backward()  # the log-prob term's gradient alone, for `alone`
     first = rank * mine.shape[-1]
-    masked = full.chunk(tp, dim=-1)[rank].clone() / temperature
-    masked[..., max(vocab - first, 0):] = float("-inf")
-    unchunked = -vocab_parallel_cross_entropy(masked, labels)
+    unchunked = -vocab_parallel_cross_entropy(padding_masked(full.chunk(tp, dim=-1)[rank].clone() / temperature,
+                                                             vocab), labels)
     padding = mine.grad[..., max(vocab - first, 0):]
+    assert no_entropy is None, "token_stats(with_entropy=False) returned an entropy"
     return {"logp": float((logp - ref_logp).abs().max()), "entropy": float((ent - ref_ent).abs().max()),
+            "logp_without_entropy": float((logp_alone - ref_logp).abs().max()),
+            "grad_without_entropy": float((alone.grad - ref_in.grad.chunk(tp, dim=-1)[rank]).abs().max()),
             "logp_vs_megatron": float((logp - unchunked).abs().max()),
-            "grad": float((mine.grad - ref_in.grad.chunk(tp, dim=-1)[rank]).abs().max()),
+            "grad": float((mine.grad - ref_grad.chunk(tp, dim=-1)[rank]).abs().max()),
             "padding_grad": float(padding.abs().max()) if padding.numel() else 0.0}
 
 
