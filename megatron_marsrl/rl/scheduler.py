@@ -42,6 +42,7 @@ Pure Python: no torch, Megatron or agents.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -358,7 +359,7 @@ class MicroBatchScheduler:
 def micro_batch_tokens(lengths: Iterable[int]) -> int:
     """What a micro-batch of sequences of `lengths` tokens costs against the token budget: the
     trainer packs them into one row (megatron/actor.py pack_sequences), so it computes the sum
-    of their lengths. The one definition of the cost."""
+    of their lengths. The one definition of the cost; it is additive (`pack` relies on that)."""
     return sum(lengths)
 
 
@@ -368,16 +369,19 @@ def pack(items: Sequence[SeqItem], *, token_budget: int, max_sequences: int | No
     holds `max_sequences`). Ties go to the earlier item. Returns the micro-batches in the order
     they were opened, each longest first."""
     left = sorted(items, key=lambda item: -item.num_tokens)  # stable: earlier items first on ties
+    keys = [-item.num_tokens for item in left]  # ascending, for bisect
     bins = []
     while left:
-        mb, i = [left.pop(0)], 0
-        # `left` is longest first, so the first item that fits is the longest one; an item
-        # skipped once never fits later (the room only shrinks)
-        while i < len(left) and (max_sequences is None or len(mb) < max_sequences):
-            if _fits(len(mb) + 1, _cost(mb) + left[i].num_tokens, token_budget, max_sequences):
-                mb.append(left.pop(i))
-            else:
-                i += 1
+        mb = [left.pop(0)]
+        keys.pop(0)
+        while left and (max_sequences is None or len(mb) < max_sequences):
+            # the cost is additive, so the longest item that fits is the first one no longer than
+            # the room left (the earliest of equals): O(log n) instead of a scan of `left`
+            i = bisect.bisect_left(keys, -(token_budget - _cost(mb)))
+            if i == len(left) or not _fits(len(mb) + 1, _cost(mb) + left[i].num_tokens, token_budget, max_sequences):
+                break
+            mb.append(left.pop(i))
+            keys.pop(i)
         bins.append(mb)
     return bins
 

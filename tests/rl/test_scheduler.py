@@ -96,6 +96,31 @@ def test_pack_respects_the_budget_and_fills_each_micro_batch(sizes, budget, max_
         assert len(b) == max_sequences or all(cost(b) + i.num_tokens > budget for i in later)
 
 
+def _best_fit_decreasing_by_scan(items, budget, max_sequences):
+    """The packing rule spelled out as a plain scan (pack finds the same items by bisection)."""
+    left, bins = sorted(items, key=lambda i: -i.num_tokens), []
+    while left:
+        mb = [left.pop(0)]
+        while max_sequences is None or len(mb) < max_sequences:
+            fitting = [i for i in left if cost(mb) + i.num_tokens <= budget]
+            if not fitting:
+                break
+            mb.append(fitting[0])
+            left.remove(fitting[0])
+        bins.append(mb)
+    return bins
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), max_size=40), budget=st.integers(1, 150),
+       max_sequences=st.one_of(st.none(), st.integers(1, 6)))
+def test_pack_takes_the_longest_item_that_fits_like_a_plain_scan(sizes, budget, max_sequences):
+    items = group("g", sizes)
+    got = pack(items, token_budget=budget, max_sequences=max_sequences)
+    want = _best_fit_decreasing_by_scan(items, budget, max_sequences)
+    assert [[i.key for i in b] for b in got] == [[i.key for i in b] for b in want]
+
+
 def test_pack_is_deterministic_and_prefers_earlier_items_on_ties():
     items = group("g", [50, 50, 50])
     assert [i.key for i in pack(items, token_budget=100)[0]] == ["g/0", "g/1"]
