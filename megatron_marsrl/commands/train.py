@@ -34,8 +34,9 @@ def add_arguments(parser) -> None:
                         help="ranks to launch when not under torchrun (default: the layout's minimum); "
                              "GPUs per node for --dry-run (default 8)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the layout and print the per-GPU memory estimate, then exit "
-                             "(no GPU, no Megatron, no engine); exit 2 when it does not fit")
+                        help="validate the layout and print the per-GPU memory estimate and, with SGLang "
+                             "engines on the GPUs, the projected step time of every mode x placement that fits; "
+                             "then exit (no GPU, no Megatron, no engine); exit 2 when it does not fit")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster, for --dry-run (default 1)")
     parser.add_argument("--verbose", action="store_true",
                         help="show every rank's library output (Megatron's INFO logs, warnings, prints) on "
@@ -98,10 +99,11 @@ def _train(args) -> int:
 
 
 def _dry_run(args, config) -> int:
-    """Print the layout check and memory plan of `config` (megatron_marsrl.rl.dry_run)."""
+    """Print the layout check, memory plan and mode x placement projection of `config`
+    (megatron_marsrl.rl.dry_run)."""
     from megatron_marsrl.rl.dry_run import plan
 
-    result = plan(config, nodes=args.nodes, gpus_per_node=args.nproc_per_node or 8)
+    result = plan(config, nodes=args.nodes, gpus_per_node=args.nproc_per_node or 8, with_projection=True)
     print(result.report)
     print(result.verdict, flush=True)
     if result.problems:

@@ -391,12 +391,24 @@ def _engine_weights(arch: ModelArch, tp: int) -> float:
     return total
 
 
+def engine_weights_gib(arch: ModelArch, rollout: ColocatedRollout) -> float:
+    """SGLang weights on one GPU of an engine."""
+    return _engine_weights(arch, rollout.engine_tp) * rollout.weight_bytes / GIB
+
+
+def kv_bytes_per_token(arch: ModelArch, rollout: ColocatedRollout) -> float:
+    """KV-cache bytes one token takes on one GPU of an engine (K and V of every layer, the GPU's
+    share of the KV heads, replicated beyond their count)."""
+    heads = math.ceil(arch.num_key_value_heads / rollout.engine_tp)
+    return 2 * arch.num_layers * heads * arch.head_dim * rollout.kv_bytes
+
+
 def _rollout_phase(arch: ModelArch, cfg: MemoryConfig, train: dict) -> dict:
     eng = cfg.rollout
     resident = 0.0 if cfg.offload_trainer_in_rollout else (
         train["params_gib"] + train["grads_gib"] + train["optimizer_gib"])
-    weights = _engine_weights(arch, eng.engine_tp) * eng.weight_bytes / GIB
-    kv_token = 2 * arch.num_layers * math.ceil(arch.num_key_value_heads / eng.engine_tp) * arch.head_dim * eng.kv_bytes
+    weights = engine_weights_gib(arch, eng)
+    kv_token = kv_bytes_per_token(arch, eng)
     if eng.kv_cache_tokens is not None:
         kv = eng.kv_cache_tokens * kv_token / GIB
     else:

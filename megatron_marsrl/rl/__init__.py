@@ -17,8 +17,9 @@ observe.py           TensorBoard, metrics.jsonl, the per-step lines and the resu
 console.py           what the console shows; everything else goes to <run>/train.log
 dry_run.py           `marsrl train --dry-run`: layout and memory checks without a GPU
 simulate.py          projected step time of the synchronous and agentic-pipeline schedules
+projection.py        the dry run's step time of every mode x placement that fits memory
 bench_real.py        the measured half of `marsrl bench pipeline`
 bench_throughput.py  `marsrl bench throughput`: one end-to-end RL step benchmark
 
-scheduler.py and simulate.py are pure Python (no torch, Megatron, SGLang or agents).
+scheduler.py, simulate.py and projection.py are pure Python (no torch, Megatron, SGLang or agents).
 """

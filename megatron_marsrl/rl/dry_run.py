@@ -40,6 +40,7 @@ from megatron_marsrl.megatron.memory import (ColocatedRollout, MemoryBudgetError
                                              check_fits, estimate_memory, format_report)
 from megatron_marsrl.megatron.parallel import LayoutError
 from megatron_marsrl.rl.config import TrainConfig
+from megatron_marsrl.rl.projection import format_table, project
 
 GPU_ENGINES = ("sglang", "sglang_server")
 
@@ -157,9 +158,11 @@ def train_and_generate_gib(est: MemoryEstimate, policies: int = 1) -> float:
     return est.framework_gib + policies * (state + engine) + transient
 
 
-def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int) -> DryRun:
-    """Validate `config` on nodes x gpus_per_node GPUs and estimate its per-GPU memory.
-    Raises LayoutError (a ValueError) for layouts that cannot run at all."""
+def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection: bool = False) -> DryRun:
+    """Validate `config` on nodes x gpus_per_node GPUs and estimate its per-GPU memory; with
+    `with_projection` (what `marsrl train --dry-run` does; ~10-40 s of simulation), add the
+    projected step time of every mode x placement (rl/projection.py) for SGLang engines on the
+    GPUs. Raises LayoutError (a ValueError) for layouts that cannot run at all."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"--nodes={nodes}, GPUs per node={gpus_per_node}: both must be >= 1")
     world = nodes * gpus_per_node
@@ -188,6 +191,9 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int) -> DryRun:
         if 0 < est.kv_cache_tokens < longest:
             problems.append(f"the SGLang KV pool ({est.kv_cache_tokens} tokens per engine) is smaller than one "
                             f"max-length output (rollout.sampling.max_tokens={longest})")
+        if with_projection:
+            lines.append(format_table(project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1),
+                                              est, peak)))
     peak = max(peak, est.peak_gib)
     return DryRun(report="\n".join(lines), peak_gib=peak, headroom_gib=est.gpu_memory_gib - peak,
                   reserve_gib=est.reserve_gib, problems=problems)

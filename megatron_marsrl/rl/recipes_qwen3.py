@@ -13,6 +13,11 @@ paper's set-up, all forced by what this trainer supports today:
     (no memory release), so each engine's KV pool (engine.max_total_tokens) is what is left
     after training's peak, SGLang's runtime and the dry run's reserve (6 GiB of 80 kept free
     for fragmentation, NCCL buffers and IPC contexts: megatron/memory.py reserve_fraction).
+  * Mode and placement: the dry run's last table (rl/projection.py) projects every mode in
+    every placement that fits. Of what the trainer runs (colocated, engines resident),
+    pipeline+overlap is the fastest at every size, so every recipe uses it. The table also
+    shows how much faster time-shared colocation and split placement would be; the trainer
+    has neither yet, and with engines on the first node only, most GPUs never generate.
 
 model.path and task.train/eval default to placeholders under /data/...; override them. The
 embedded config.json values (model.arch) let `--dry-run` plan without the checkpoint; when
@@ -85,7 +90,7 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             eval_size=30,  # AIME 2025 has 30 problems
         ),
         parallel=ParallelConfig(
-            tp=4,  # the most the 4 KV heads allow; one sequence's logits: 25 GiB at TP4, 49 at TP2
+            tp=4,  # the most the 4 KV heads allow; one micro-batch's logits: 15 GiB at TP4, 30 at TP2
             pp=1,  # 1F1B would keep pp micro-batches of up to 68k tokens in flight on stage 0
             ep=ep,
             etp=1,  # experts are 768 wide: split them across GPUs (EP), not within (ETP)
@@ -114,7 +119,7 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             gpus_per_node=8,  # H100 nodes of 8 GPUs
             host="127.0.0.1",  # only rank 0, on the same node, talks to the engine
             max_total_tokens=kv_tokens,  # the binding size of the pool (per size below); SGLang sizes it at start
-            mem_fraction_static=0.5,  # only an upper bound (40 GiB of weights + KV + what is resident then)
+            mem_fraction_static=0.6,  # only an upper bound (48 GiB of weights + KV + what is resident then)
             startup_timeout=1200.0,  # loading 61 GB and capturing CUDA graphs takes minutes
             seed=0,
         ),
@@ -154,12 +159,12 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
 def qwen3_30b_a3b_h100x8() -> TrainConfig:
     """1 node: 16 experts per GPU and no second expert-data-parallel rank to shard Adam over,
     so the whole optimizer state lives in host memory. The tightest size: trainer state,
-    training's transient peak, the engine and the reserve leave 3 GiB per GPU for KV."""
+    training's transient peak, the engine and the reserve leave 12 GiB per GPU for KV."""
     return _marsrl(
         8,
         ep=8,  # all experts split over the node's 8 GPUs (NVLink all-to-all)
         offload=1.0,  # Adam for 3.6B local expert params is 43 GiB per GPU: keep it all on the host
-        kv_tokens=131072,  # 2 x 64k (3 GiB/GPU): the most that keeps the 6 GiB reserve free (~135k, dry run)
+        kv_tokens=524288,  # 8 x 64k (12 GiB/GPU): the most that keeps the 6 GiB reserve free (~554k, dry run)
     )
 
 
@@ -170,7 +175,7 @@ def qwen3_30b_a3b_h100x16() -> TrainConfig:
         16,
         ep=16,  # 8 experts per GPU: halves the bf16 params and fp32 grads that EP8 would keep
         offload=0.75,  # Adam is 21 GiB per GPU; with half of it here the reserve leaves < 2 x 64k of KV
-        kv_tokens=327680,  # 5 x 64k: what the dry run leaves with the 6 GiB reserve (~344k tokens)
+        kv_tokens=720896,  # 11 x 64k: what the dry run leaves with the 6 GiB reserve (~763k tokens)
     )
 
 
@@ -180,7 +185,7 @@ def qwen3_30b_a3b_h100x32() -> TrainConfig:
         32,
         ep=32,  # 4 experts per GPU: trainer state 18 GiB per GPU
         offload=0.0,  # Adam for 0.9B local expert params is 10 GiB: no host round trips needed
-        kv_tokens=327680,  # 5 x 64k: what the dry run leaves with the 6 GiB reserve (~332k tokens)
+        kv_tokens=720896,  # 11 x 64k: what the dry run leaves with the 6 GiB reserve (~751k tokens)
     )
 
 
@@ -190,7 +195,7 @@ def qwen3_30b_a3b_h100x64() -> TrainConfig:
         64,
         ep=64,  # 2 experts per GPU: trainer state 10 GiB per GPU
         offload=0.0,  # everything fits on the GPUs
-        kv_tokens=655360,  # 10 x 64k: what the dry run leaves with the 6 GiB reserve (~676k tokens)
+        kv_tokens=1048576,  # 16 x 64k: what the dry run leaves with the 6 GiB reserve (~1095k tokens)
     )
 
 

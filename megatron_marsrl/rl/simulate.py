@@ -32,7 +32,8 @@ Model, every assumption a `SimConfig` field:
     decoding keeps priority and training gets the GPU share it leaves (`colocated_decode_floor`
     whenever anything decodes, plus the busy-slot share), so overlap only fills the rollout's
     tail; both states are assumed to fit in memory (lower `engine_concurrency` for a smaller
-    KV cache). With `rollout_gpus` set, those GPUs only generate and the others only train.
+    KV cache). With `engine_gpus` set, only those GPUs host engines (all GPUs train). With
+    `rollout_gpus` set, those GPUs only generate and the others only train.
   * A trajectory continues after a Verifier stage with probability `continue_fraction` (the
     Corrector only gets verifier outputs that flagged an error).
   * Segment rollout applies to the pipeline modes; samples of a segmented output count under
@@ -97,6 +98,9 @@ class SimConfig:
     rollout_gpus: int | None = None
     """None: colocated, every GPU hosts an engine and trains (MarsRL's set-up). A number: those
     GPUs only generate and the others only train (40 of 64 roughly balances the work)."""
+    engine_gpus: int | None = None
+    """Colocated only: the GPUs that host an engine (each of them also trains; the rest only
+    train). None: every GPU."""
     gpus_per_engine: int = 4
     """GPUs per SGLang engine (Qwen3-30B-A3B bf16 weights, ~61 GB, plus KV cache)."""
     engine_concurrency: int = 128
@@ -146,6 +150,9 @@ class SimConfig:
         if self.rollout_gpus is not None and not 0 < self.rollout_gpus < self.num_gpus:
             raise ValueError(f"rollout_gpus={self.rollout_gpus}: must be between 1 and num_gpus-1={self.num_gpus - 1} "
                              f"(None colocates rollout and training)")
+        if self.engine_gpus is not None and (not self.colocated or not 0 < self.engine_gpus <= self.num_gpus):
+            raise ValueError(f"engine_gpus={self.engine_gpus}: only for colocated placements (rollout_gpus=None), "
+                             f"between 1 and num_gpus={self.num_gpus}")
         if gen % self.gpus_per_engine:
             raise ValueError(f"{gen} rollout GPUs are not a multiple of gpus_per_engine={self.gpus_per_engine}")
         if train % self.train_gpus_per_replica:
@@ -158,7 +165,9 @@ class SimConfig:
 
     @property
     def generation_gpus(self) -> int:
-        return self.num_gpus if self.colocated else self.rollout_gpus
+        if self.colocated:
+            return self.num_gpus if self.engine_gpus is None else self.engine_gpus
+        return self.rollout_gpus
 
     @property
     def training_gpus(self) -> int:
@@ -220,6 +229,16 @@ class LengthModel:
             lo, hi = (mid, hi) if self.clipped_mean(mid) < self.mean_tokens else (lo, mid)
         return (lo + hi) / 2
 
+    def decoding_context(self) -> float:
+        """Mean tokens in the KV cache of a decoding sequence, weighted by time (its response
+        so far; add the prompt): E[L^2] / (2 E[L]) over the clipped lengths L. Long outputs
+        dominate it: they decode the longest, holding the most."""
+        if self.sigma == 0:
+            return self.mean_tokens / 2
+        s, cap = self.sigma, self.max_tokens
+        below = math.exp(2 * self.mu + 2 * s * s) * _phi((math.log(cap) - self.mu - 2 * s * s) / s)
+        return (below + cap * cap * (1.0 - _phi((math.log(cap) - self.mu) / s))) / (2 * self.mean_tokens)
+
     def truncated_fraction(self) -> float:
         """Share of outputs that hit max_tokens."""
         if self.sigma == 0:
@@ -278,9 +297,12 @@ class SimResult:
                 "speedup": self.speedup}
 
 
-def simulate(config: SimConfig) -> SimResult:
-    """Simulate and measure every mode; deterministic for config.seed."""
-    return SimResult(config=config, modes={mode: _simulate_mode(config, mode) for mode in MODES})
+def simulate(config: SimConfig, modes: tuple[str, ...] = MODES) -> SimResult:
+    """Simulate and measure `modes` (default all); deterministic for config.seed."""
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise ValueError(f"modes {sorted(unknown)}: use {', '.join(MODES)}")
+    return SimResult(config=config, modes={mode: _simulate_mode(config, mode) for mode in MODES if mode in modes})
 
 
 # ---- the model ---------------------------------------------------------------------------

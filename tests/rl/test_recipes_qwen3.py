@@ -49,6 +49,11 @@ def test_every_recipe_dry_run_fits_under_80_gib(name):
         assert max(totals) <= at_once <= 80.0 - 6.0  # the reserve: 6 GiB of an 80 GiB GPU stays free
         headroom, reserve = map(float, re.search(r"verdict: fits.*headroom ([\d.]+) \(at least ([\d.]+)", out).groups())
         assert headroom >= reserve == 6.0
+        # the mode x placement projection: every row fits, and the fastest is named
+        assert "projected step time per mode x placement" in out
+        rows = re.findall(r"^(colocated, \w+(?:-\w+)?|split \d+\+\d+)\s+\d+/\d+\s+\d+\s+\d+\s+([\d.]+)", out, re.M)
+        assert rows[0][0] == "colocated, resident" and all(float(peak) <= 74.0 for _, peak in rows)
+        assert "fastest: " in out and "this config runs pipeline+overlap" in out
 
 
 def test_tp_not_dividing_the_kv_heads_exits_2():

@@ -71,7 +71,25 @@ def test_length_model_hits_its_mean_and_clip():
     assert LengthModel(mean_tokens=500, max_tokens=500, sigma=0.0).sample(rng) == 500
 
 
+def test_decoding_context_is_the_time_weighted_kv_of_a_decoding_sequence():
+    rng = random.Random(1)
+    for sigma in (0.0, 0.6, 1.0):
+        model = LengthModel(mean_tokens=20000, max_tokens=65536, sigma=sigma)
+        draws = [model.sample(rng) for _ in range(50000)]
+        # a sequence of length L decodes L steps holding L/2 tokens on average
+        assert model.decoding_context() == pytest.approx(sum(d * d for d in draws) / (2 * sum(draws)), rel=0.03)
+    assert LengthModel(mean_tokens=20000, max_tokens=65536, sigma=1.0).decoding_context() > 1.5 * 10000
+
+
+def test_engines_on_fewer_colocated_gpus_slow_the_rollout():
+    every, half = (simulate(small(engine_concurrency=16, engine_gpus=n), ("sync",)) for n in (None, 4))
+    assert list(half.modes) == ["sync"]
+    assert half.modes["sync"].median_rollout_s > 1.5 * every.modes["sync"].median_rollout_s
+
+
 @pytest.mark.parametrize("changes, match", [
+    (dict(engine_gpus=4, rollout_gpus=4), "engine_gpus=4: only for colocated placements"),
+    (dict(engine_gpus=16), "engine_gpus=16: only for colocated placements"),
     (dict(group_size=0), "group_size=0: must be a positive integer"),
     (dict(mean_tokens=9000), "mean_tokens=9000 must be below max_tokens=8192"),
     (dict(length_sigma=-1.0), "length_sigma=-1.0"),
