@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_marsrl.megatron.optim import OptimConfig
-from megatron_marsrl.megatron.parallel import ParallelConfig
+from megatron_marsrl.megatron.parallel import ParallelConfig, gather_data_parallel
 
 log = logging.getLogger(__name__)
 
@@ -264,9 +264,7 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
         return pack_sequences([_sequence(ex) for ex in mine] if mine else [filler])
 
     def dp_sum(*values: float) -> list[float]:
-        parts = [None] * dp
-        dist.all_gather_object(parts, list(values), group=ps.get_data_parallel_group())
-        return [sum(p[i] for p in parts) for i in range(len(values))]
+        return [sum(column) for column in zip(*gather_data_parallel(values))]
 
     def evaluate() -> float:
         nll = tokens = 0.0

@@ -127,6 +127,17 @@ def init_parallel(parallel: ParallelConfig, arch: ModelArch, *, seed: int = 1234
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def gather_data_parallel(value):
+    """``value`` (any picklable object) from every data-parallel rank of this rank's group, in
+    data-parallel rank order; every rank gets the list."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    parts = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(parts, value, group=ps.get_data_parallel_group())
+    return parts
+
+
 def local_cuda_device() -> int:
     """The CUDA device of this rank: LOCAL_RANK (set by torchrun and by ``launch``; 0 when
     absent). Raises LayoutError when the node has fewer visible devices than local ranks, where

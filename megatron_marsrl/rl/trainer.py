@@ -25,7 +25,7 @@ from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.model import train_dtype
-from megatron_marsrl.megatron.parallel import init_parallel
+from megatron_marsrl.megatron.parallel import gather_data_parallel, init_parallel
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
@@ -328,12 +328,8 @@ class Trainer:
     def _update(self, policy: str, acc: MetricSums) -> None:
         """Every rank: the optimizer step of one PPO mini-batch, normalised by its loss units
         (summed over data-parallel ranks)."""
-        from megatron.core import parallel_state as ps
-
-        parts = [None] * _dp_size()
-        dist.all_gather_object(parts, acc.units[policy] - acc.applied[policy], group=ps.get_data_parallel_group())
+        units = sum(gather_data_parallel(acc.units[policy] - acc.applied[policy]))
         acc.applied[policy] = acc.units[policy]
-        units = sum(parts)
         if units == 0:  # only empty stand-in sequences: nothing to step on
             self.actors[policy].skip_step()
             return
@@ -397,11 +393,7 @@ class Trainer:
     def _reduce(self, acc: MetricSums) -> dict:
         """The step's train metrics (weighted means over micro-batches and data-parallel ranks)
         and each policy's step objective; keeps the step's loss units for `optimizer_step`."""
-        from megatron.core import parallel_state as ps
-
-        parts = [None] * _dp_size()
-        dist.all_gather_object(parts, acc, group=ps.get_data_parallel_group())
-        total = MetricSums.merged(parts)
+        total = MetricSums.merged(gather_data_parallel(acc))
         self._units = {p: total.units[p] - total.applied[p] for p in total.units}  # the last mini-batch's
         self._policy_entropy.update(total.policy_entropy())
         out = {f"train/{k}": v for k, v in total.means().items()}
