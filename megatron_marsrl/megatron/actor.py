@@ -19,6 +19,7 @@ from megatron_marsrl.megatron import forward
 from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.model import build_model
+from megatron_marsrl.megatron.offload import HostOffload
 from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.parallel import ParallelConfig
 
@@ -101,6 +102,7 @@ class PolicyActor:
         self.micro_batches = 0
         self.stepped = False
         """Whether the optimizer has applied an update (its state exists only from then on)."""
+        self._offloaded: dict[str, HostOffload] = {}
 
     @property
     def module(self):
@@ -131,6 +133,28 @@ class PolicyActor:
         self.micro_batches = 0
         self.stepped = self.stepped or report["update_applied"]
         return report
+
+    def offload(self, part: str, *, include_cpu: bool = False) -> int:
+        """Move one part of this policy's GPU memory to the host, in place (megatron/offload.py):
+        "state": the gradient buffers (freed: they are zero between steps) and the optimizer's
+        state (fp32 copies, Adam moments); "params": the parameters (and the reference model's).
+        `include_cpu` moves CPU tensors too (tests). Returns the bytes moved."""
+        params = [p for m in (self.model, self.reference) if m is not None for p in m.parameters()]
+        if part == "params":
+            tensors, grads = params, []
+        elif part == "state":
+            mine = {p.untyped_storage().data_ptr() for p in params}
+            tensors = [t for t in _optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in mine]
+            grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        else:
+            raise ValueError(f"offload part {part!r}: use 'params' or 'state'")
+        held = self._offloaded.setdefault(part, HostOffload(include_cpu=include_cpu))
+        return held.offload(grads, keep_values=False) + held.offload(tensors)
+
+    def onload(self, part: str) -> int:
+        """Bring back what `offload(part)` moved out; returns the bytes restored."""
+        held = self._offloaded.pop(part, None)
+        return held.restore() if held is not None else 0
 
     def skip_step(self) -> None:
         """No data this step: no optimizer step (Adam would still move on its momentum)."""
@@ -163,3 +187,14 @@ class PolicyActor:
 
         self.stepped = read_meta(path).get("optimizer_stepped", True)
         return load_checkpoint(path, self.model, optimizer=self.optimizer if self.stepped else None)
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor a Megatron optimizer (chained or not) holds: its parameter groups' tensors
+    (the fp32 main copies under mixed precision) and its state (Adam moments)."""
+    out = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        out += [p for group in inner.param_groups for p in group["params"]]
+        out += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+    return out

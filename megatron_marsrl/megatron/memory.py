@@ -5,8 +5,9 @@ Two phases share each GPU. In the train phase SGLang has released its weights, K
 CUDA graphs (``release_memory_occupation``, which needs servers started with the memory
 saver) and keeps only its process context; in the rollout phase the trainer keeps whatever it
 does not offload. The peak is the larger phase. This is the model of a trainer that releases
-its engines around training; the RL trainer does not yet, and ``rl/dry_run.py`` adds the
-figure that binds it (training next to resident engines).
+its engines around training (``pipeline.time_shared``, rl/time_share.py); without it the
+engines stay resident and ``rl/dry_run.py`` adds the figure that binds (training next to
+resident engines).
 
 Train phase, per GPU, on the worst pipeline stage (the first holds ``pp`` micro-batches in
 flight under 1F1B, the last holds the logits):

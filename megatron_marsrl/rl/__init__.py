@@ -15,6 +15,7 @@ scheduler.py         packs completed groups into training rounds while the rollo
 checkpoint.py        run checkpoints: models, optimizers and trainer state
 observe.py           TensorBoard, metrics.jsonl, the per-step lines and the results table
 console.py           what the console shows; everything else goes to <run>/train.log
+time_share.py        time-shared colocation: trainer offload and engine memory release around phases
 dry_run.py           `marsrl train --dry-run`: layout and memory checks without a GPU
 simulate.py          projected step time of the synchronous and agentic-pipeline schedules
 projection.py        the dry run's step time of every mode x placement that fits memory

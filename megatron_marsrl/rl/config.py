@@ -132,6 +132,12 @@ class PipelineConfig:
     segment_old_tokens: str = "mask"
     """What training does with tokens a continued sample got from older weights: "mask" (no
     gradient) or "tis" (trained, importance-corrected by the rollout log-probs)."""
+    time_shared: bool = False
+    """Time-shared colocation (rl/time_share.py): the trainer's parameters, gradients and
+    optimizer state leave the GPU while the engines generate, and SGLang engines (started with
+    their memory saver) release weights, KV cache and CUDA graphs while it trains, so each
+    side gets the whole GPU in its phase. Needs scheduler.overlap=false. The moves are GPU-only:
+    on CPU the phases run in the same order and are logged, moving nothing."""
 
     def __post_init__(self) -> None:
         if self.mode not in PIPELINE_MODES:
@@ -254,6 +260,9 @@ class TrainConfig:
         if self.policy.mini_batch_sequences is not None and self.loss.old_logprobs != "rollout":
             raise ValueError("policy.mini_batch_sequences needs loss.old_logprobs=rollout: after the step's first "
                              "update the trainer's own log-probs are no longer those of the policy that generated")
+        if self.pipeline.time_shared and self.scheduler.overlap:
+            raise ValueError("pipeline.time_shared needs scheduler.overlap=false: training and generation take "
+                             "turns on the GPU, so nothing trains while the engines generate")
         if self.loss.tis is None and self.pipeline.segment_tokens and self.pipeline.segment_old_tokens == "tis":
             raise ValueError("pipeline.segment_old_tokens='tis' needs loss.tis (set loss.tis={} for the defaults)")
 

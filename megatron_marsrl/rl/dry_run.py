@@ -10,11 +10,13 @@ How this trainer maps onto the estimate, and why the verdict adds a third figure
   * SGLang engines ("sglang", "sglang_server") start on the first node only (rank 0's
     RolloutSide), each engine rank next to a trainer rank; other GPUs only train. The per-GPU
     figures are those of an engine GPU, the fullest.
-  * The trainer does not release the engines' memory while it trains, and trains while they
-    generate (scheduler.overlap), so the engines' weights, KV pool and runtime stay resident
-    during the train phase. The binding figure is "train + generate at once": the rollout
-    phase plus the train phase's transient memory (activations, logits, buffers).
-    memory.py's two-phase peak (engines released during training) is printed as well.
+  * By default the trainer does not release the engines' memory while it trains, and trains
+    while they generate (scheduler.overlap), so the engines' weights, KV pool and runtime stay
+    resident during the train phase. The binding figure is then "train + generate at once":
+    the rollout phase plus the train phase's transient memory (activations, logits, buffers).
+    memory.py's two-phase peak (engines released during training) is printed as well, and it
+    is the binding one with pipeline.time_shared (the trainer offloaded during rollout, the
+    engines released during training: rl/time_share.py).
   * The train phase's activations and logits are those of the largest micro-batch, counted as
     the scheduler counts it: the sum of its sequences' lengths (the trainer packs them into one
     row; rl/scheduler.micro_batch_tokens), at most scheduler.token_budget, or one longer
@@ -137,7 +139,7 @@ def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
     return MemoryConfig(world_size=world_size, micro_batch_tokens=_micro_batch_tokens(config, arch),
                         param_bytes=4 if fp32 else 2, grad_bytes=4 if fp32 or config.optim.grad_reduce_in_fp32 else 2,
                         optimizer_offload_fraction=config.optim.cpu_offload_fraction,
-                        offload_trainer_in_rollout=False, rollout=rollout)
+                        offload_trainer_in_rollout=config.pipeline.time_shared, rollout=rollout)
 
 
 def estimate(config: TrainConfig, arch: ModelArch, world_size: int) -> MemoryEstimate:
@@ -178,7 +180,10 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection
     except MemoryBudgetError as exc:
         problems.append(str(exc))
     peak = est.peak_gib
-    if est.colocated:
+    if est.colocated and config.pipeline.time_shared:
+        lines.append("time-shared (pipeline.time_shared): the trainer's state is in host memory while the engines "
+                     "generate and the engines release theirs while it trains, so the peak is the larger phase")
+    elif est.colocated:
         peak = train_and_generate_gib(est, policies)
         per = f" ({policies} policies, each with its own state and engines)" if policies > 1 else ""
         lines.append(f"train + generate at once (engines stay resident){per}: {peak:.2f} GiB, "
@@ -186,14 +191,20 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection
         if peak > est.usable_gib:
             problems.append(f"training next to resident SGLang engines needs {peak:.1f} GiB per GPU, more than the "
                             f"{est.usable_text}; the trainer does not release engine memory while it trains: "
-                            "lower engine.mem_fraction_static or engine.max_total_tokens, or the token budget")
+                            "lower engine.mem_fraction_static or engine.max_total_tokens, or the token budget, "
+                            "or set pipeline.time_shared=true")
+    if est.colocated:
         longest = config.rollout.sampling.max_tokens
         if 0 < est.kv_cache_tokens < longest:
             problems.append(f"the SGLang KV pool ({est.kv_cache_tokens} tokens per engine) is smaller than one "
                             f"max-length output (rollout.sampling.max_tokens={longest})")
         if with_projection:
+            # the projection's first row is the resident placement, whatever this config chose
+            resident = estimate(dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
+                                                                                         time_shared=False)),
+                                arch, world)
             lines.append(format_table(project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1),
-                                              est, peak)))
+                                              resident, train_and_generate_gib(resident, policies))))
     peak = max(peak, est.peak_gib)
     return DryRun(report="\n".join(lines), peak_gib=peak, headroom_gib=est.gpu_memory_gib - peak,
                   reserve_gib=est.reserve_gib, problems=problems)

@@ -37,6 +37,12 @@ class Update:
 
 
 @dataclass(frozen=True)
+class TrainPhase:
+    """The step's rollout is over (time-shared colocation): the engines released their memory,
+    and the ranks bring the trainer's state back to the GPU before the rounds that follow."""
+
+
+@dataclass(frozen=True)
 class StepEnd:
     """Every round of the step was sent: the ranks go on to the step's metric reduction."""
 
@@ -51,5 +57,5 @@ class StepAbort:
     """True when SIGTERM/SIGINT stopped the step (the run exits cleanly after a checkpoint)."""
 
 
-StepMessage = TrainRound | Update | StepEnd | StepAbort
+StepMessage = TrainRound | Update | TrainPhase | StepEnd | StepAbort
 """Every message of a step."""

@@ -16,7 +16,9 @@ Placements:
                           and the engines release weights and KV while it trains: the KV pool
                           is what the rollout phase leaves. No overlap (training and generation
                           never hold the GPU together); every step pays the swap both ways at
-                          SWAP_GIB_PER_S plus ENGINE_RESUME_S. Not in the trainer yet.
+                          SWAP_GIB_PER_S plus ENGINE_RESUME_S. The trainer time-shares
+                          (pipeline.time_shared) but starts engines on the first node only, so
+                          this row is not what it runs yet.
   split R+T               R GPUs only generate (the KV pool is what an engine-only GPU leaves),
                           T GPUs only train, with the config's layout (expert parallelism
                           reduced to divide T where needed). A few R per cluster. Not in the

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from megatron_marsrl.agents.parsing import ParseCounter
 from megatron_marsrl.agents.rollout import GroupedRollout
 from megatron_marsrl.data_types import Sample
@@ -43,7 +45,9 @@ class RolloutSide:
         self.pools = {}
         try:
             for i, name in enumerate(config.policy_names()):
-                self.pools[name] = start_engines(_engines_of_policy(config, i), hf_dir)
+                # time-shared colocation: SGLang must be able to release its memory (GPU only)
+                self.pools[name] = start_engines(_engines_of_policy(config, i), hf_dir, memory_saver=(
+                    config.pipeline.time_shared and torch.cuda.is_available()))
         except BaseException:
             self.close()
             raise

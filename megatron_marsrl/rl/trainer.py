@@ -8,6 +8,7 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -29,7 +30,7 @@ from megatron_marsrl.megatron.parallel import gather_data_parallel, init_paralle
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
-from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainRound, Update
+from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainPhase, TrainRound, Update
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
 from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
 
@@ -86,6 +87,12 @@ class Trainer:
             except BaseException:  # e.g. a checkpoint of another layout: stop the engines too
                 self.close()
                 raise
+        self.time_share = None
+        if config.pipeline.time_shared:
+            from megatron_marsrl.rl.time_share import TimeShare
+
+            self.time_share = TimeShare(self.actors, self.rollout.pools if self.rollout else None, group=self.control)
+            self.time_share.start()
         if self.rank == 0:
             self._save_config()
 
@@ -219,6 +226,8 @@ class Trainer:
                     self._run_round(policy, payload, acc)
                 case Update(policy=policy):
                     self._update(policy, acc)
+                case TrainPhase():
+                    self.time_share.to_training()
                 case StepEnd():
                     return
                 case StepAbort(reason=reason, by_signal=by_signal):
@@ -246,6 +255,9 @@ class Trainer:
             # collectives with us, so the process must end and torchrun tear the job down.
             self._train_rounds(sched.pop_ready(), seqs, acc, t, since_update)
             self._mini_batch_updates(since_update, acc)
+        if self.time_share is not None:  # nothing trained yet (no overlap): the engines make room
+            self._tell(TrainPhase())
+            self.time_share.to_training()
         self._train_rounds(sched.finish_step(), seqs, acc, t, since_update)  # the rest: optimizer_step
         self._tell(StepEnd())
         finished = self.rollout.driver.finished_at
@@ -478,6 +490,8 @@ class Trainer:
         from megatron_marsrl.megatron.weight_sync import sync_and_verify, sync_weights
 
         out, start = {}, time.perf_counter()
+        if self.time_share is not None:
+            self.time_share.to_sync()
         for name, actor in self.actors.items():
             pool = self.rollout.pools[name] if self.rollout is not None else None
             seqs = self._broadcast(probe.get(name) if probe and self.rank == 0 else None) \
@@ -493,6 +507,8 @@ class Trainer:
             out[f"{name}/sync_gb"] = report["bytes"] / 1e9
         if self.rollout is not None:
             self.rollout.version = version
+        if self.time_share is not None:
+            self.time_share.to_rollout()
         out["time/sync"] = time.perf_counter() - start
         return out
 
@@ -506,7 +522,8 @@ class Trainer:
                         "weights, so a resume redoes the step from them, not from the step's start", step + 1,
                         sum(map(len, self._step_updates.values())))
         state = {**state, "policy_entropy": self._policy_entropy}
-        path = checkpoint.save(self.run_dir, step, self.actors, state, keep=self.config.run.keep_checkpoints)
+        with self.time_share.trainer_resident() if self.time_share is not None else contextlib.nullcontext():
+            path = checkpoint.save(self.run_dir, step, self.actors, state, keep=self.config.run.keep_checkpoints)
         if self.rank == 0:
             log.info("checkpoint saved: %s", path)
         return path

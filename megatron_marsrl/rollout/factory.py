@@ -90,14 +90,16 @@ def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed
     return _start_one(cfg, model_dir, 0)
 
 
-def start_engines(cfg: RolloutEngineConfig, model_dir: str):
-    """Start ``cfg.num_engines`` engines and return them behind one EnginePool."""
+def start_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: bool = False):
+    """Start ``cfg.num_engines`` engines and return them behind one EnginePool. ``memory_saver``
+    starts SGLang engines with its memory saver, so that they can release and resume their
+    weights and KV cache (time-shared colocation; GPU only)."""
     from megatron_marsrl.rollout.pool import EnginePool
 
     engines = []
     try:
         for i in range(cfg.num_engines):
-            engines.append(_start_one(cfg, model_dir, i))
+            engines.append(_start_one(cfg, model_dir, i, memory_saver=memory_saver))
     except BaseException:
         for engine in engines:
             engine.shutdown()
@@ -106,7 +108,7 @@ def start_engines(cfg: RolloutEngineConfig, model_dir: str):
                       timeout=cfg.generation_timeout)
 
 
-def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
+def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_saver: bool = False):
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model path {model_dir}: no config.json (need a local HF checkpoint directory)")
     from megatron_marsrl.rollout.fp8 import check_start
@@ -123,7 +125,8 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
         return SGLangEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
                             tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size,
                             mem_fraction_static=cfg.mem_fraction_static, quantization=cfg.quantization,
-                            enable_return_routed_experts=cfg.routed_experts, deterministic=cfg.deterministic)
+                            enable_return_routed_experts=cfg.routed_experts, deterministic=cfg.deterministic,
+                            **({"enable_memory_saver": True} if memory_saver else {}))
     from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServer, SGLangServerConfig
 
     return SGLangServer(SGLangServerConfig(
@@ -133,4 +136,4 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int):
         startup_timeout=cfg.startup_timeout, generation_timeout=cfg.generation_timeout,
         max_inflight=cfg.max_inflight_per_engine, deterministic=cfg.deterministic,
         seed=cfg.seed + index, quantization=cfg.quantization,
-        enable_return_routed_experts=cfg.routed_experts)).start()
+        enable_return_routed_experts=cfg.routed_experts, memory_saver=memory_saver)).start()

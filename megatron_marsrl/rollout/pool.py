@@ -30,6 +30,10 @@ RETRYABLE = (ConnectionError, TimeoutError)
 """The engine is gone or too slow; anything else the engine raised is about the request."""
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What SGLang's memory saver releases and resumes (release/resume_memory_occupation tags)."""
+
+
 class RequestFailedError(RuntimeError):
     """A request failed on every attempt."""
 
@@ -172,6 +176,27 @@ class EnginePool:
                 applied += slot.engine.update_weights([bucket], version=version)
         self.version = version
         return applied
+
+    def release_memory(self, tags: tuple[str, ...]) -> int:
+        """Every engine that can (SGLang with its memory saver) frees the GPU memory of ``tags``
+        (of MEMORY_TAGS); returns how many did."""
+        return self._each_engine("release_memory", tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> int:
+        """Every engine that released memory re-allocates ``tags``; returns how many did."""
+        return self._each_engine("resume_memory", tags)
+
+    def _each_engine(self, method: str, tags: tuple[str, ...]) -> int:
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"memory tags {sorted(unknown)}: use {MEMORY_TAGS}")
+        done = 0
+        for slot in self._slots:
+            fn = getattr(slot.engine, method, None)
+            if fn is not None:
+                fn(tags)
+                done += 1
+        return done
 
     def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
         """Log-probs of tokens[1:] from the first usable engine (the weight-sync probe)."""

@@ -138,6 +138,14 @@ class SGLangEngine(BatchedEngine):
         with self._batcher.exclusive():
             return {name: weights_or_none(self._engine.get_weights_by_name(name, truncate_size=rows)) for name in names}
 
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Free the GPU memory of ``tags`` (of MEMORY_TAGS); needs enable_memory_saver=True."""
+        self._engine.release_memory_occupation(tags=list(tags))
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Re-allocate what `release_memory` freed."""
+        self._engine.resume_memory_occupation(tags=list(tags))
+
     def shutdown(self) -> None:
         self._batcher.close()
         if self._engine is not None:

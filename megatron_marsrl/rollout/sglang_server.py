@@ -84,6 +84,9 @@ class SGLangServerConfig:
     the trainer sends token ids and leaves the tokenizer out (``--skip-tokenizer-init``)."""
     quantization: str | None = None
     """None or "fp8": FP8 weights, re-quantized on every weight update (GPU only; rollout/fp8.py)."""
+    memory_saver: bool = False
+    """``--enable-memory-saver``: the server can release and resume its weights, KV cache and
+    CUDA graphs (`release_memory` / `resume_memory`; GPU only)."""
     log_dir: str | None = None
     """Where server logs go (default: a temp dir)."""
 
@@ -191,6 +194,8 @@ class SGLangServer:
             cmd += ["--enable-return-routed-experts"]
         if cfg.deterministic:
             cmd += ["--enable-deterministic-inference"]
+        if cfg.memory_saver:
+            cmd += ["--enable-memory-saver"]
         if cfg.api_key:  # visible in this machine's process list; keeps other machines out
             cmd += ["--api-key", cfg.api_key]
         for key, value in sglang_args(cfg.quantization).items():
@@ -359,6 +364,15 @@ class SGLangServer:
             self._post("/continue_generation", {}, 60)
         self.weight_version = version
         return applied
+
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Free the GPU memory of ``tags`` (of MEMORY_TAGS); needs ``memory_saver``."""
+        self._ok(self._post("/release_memory_occupation", {"tags": list(tags)}, timeout=600.0), "release memory")
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Re-allocate what `release_memory` freed (weights come back as they were released;
+        the trainer's weight sync follows)."""
+        self._ok(self._post("/resume_memory_occupation", {"tags": list(tags)}, timeout=600.0), "resume memory")
 
     def abort_all(self) -> None:
         """Abort every request the server is working on (cancelling our side alone would leave

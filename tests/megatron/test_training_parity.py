@@ -59,3 +59,14 @@ def test_bf16_gradient_buffers_halve_the_buffer_at_a_measured_accuracy_cost(tiny
         assert r["dtypes"] == ["torch.float32", "torch.bfloat16"], r
         assert 1e-4 < r["relative_error"] < 5e-2, r
     print("bf16 gradient buffers, relative L2 error vs fp32:", [round(r["relative_error"], 5) for r in results])
+
+
+def test_offloading_a_policy_between_steps_changes_nothing(tiny_hf):
+    """Time-shared colocation's trainer side: parameters, gradient buffers and Adam state leave
+    their storages (emptied) and come back in place, and training goes on bit for bit as in a
+    policy that never moved (EP2, two Adam steps after round trips)."""
+    results = launch("tests.megatron.workers:offload_round_trip", 2, {"hf_dir": tiny_hf("qwen3_moe"),
+                                                                      "layout": {"ep": 2}})
+    for r in results:
+        assert r["emptied"] and r["moved_bytes"] > 0
+        assert r["max_diff"] == 0.0, r

@@ -215,3 +215,35 @@ def grad_buffer_precision(hf_dir: str, layout: dict, micro_batches: int = 8) -> 
         grads.append(torch.cat([p.main_grad.float().flatten() for p in ddp.module.parameters()]))
     dtypes = [str(next(iter(ddp.module.parameters())).main_grad.dtype) for ddp in models]
     return {"dtypes": dtypes, "relative_error": float((grads[1] - grads[0]).norm() / grads[0].norm())}
+
+
+def offload_round_trip(hf_dir: str, layout: dict) -> dict:
+    """Two identical policies train the same three Adam steps; between the steps one of them
+    moves its state and parameters out and back (PolicyActor.offload/onload, CPU storages
+    included: the path a GPU run takes). Reports whether the storages were emptied and the
+    largest parameter difference at the end."""
+    from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
+    from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.megatron.optim import OptimConfig
+    from megatron_marsrl.megatron.parallel import ParallelConfig, init_parallel
+
+    arch, parallel = ModelArch.from_hf_dir(hf_dir), ParallelConfig(**layout)
+    init_parallel(parallel, arch)
+    optim = OptimConfig(lr=1e-2, clip_grad=1.0)
+    actors = [PolicyActor(f"p{i}", arch, parallel, optim, hf_dir=hf_dir) for i in range(2)]
+    gen = torch.Generator().manual_seed(5 + torch.distributed.get_rank())
+    emptied, moved = [], 0
+    for step in range(3):
+        seqs = [Sequence(prompt_ids=torch.randint(0, arch.vocab_size, (4,), generator=gen).tolist(),
+                         response_ids=torch.randint(0, arch.vocab_size, (6,), generator=gen).tolist(),
+                         advantage=float(torch.randn((), generator=gen)), reward=0.0) for _ in range(2)]
+        for actor in actors:
+            actor.train_micro_batch(pack_sequences(seqs), lambda logp, ent, b: (-logp.sum(), {}), with_entropy=False)
+            actor.finish_step(grad_scale=1.0, max_grad_norm=None)
+        if step < 2:
+            moved += actors[1].offload("state", include_cpu=True) + actors[1].offload("params", include_cpu=True)
+            emptied.append(all(p.untyped_storage().nbytes() == 0 for p in actors[1].model.parameters()))
+            actors[1].onload("params")
+            actors[1].onload("state")
+    diff = max(float((a - b).abs().max()) for a, b in zip(actors[0].model.parameters(), actors[1].model.parameters()))
+    return {"emptied": all(emptied), "moved_bytes": moved, "max_diff": diff}

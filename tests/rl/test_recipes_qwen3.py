@@ -97,6 +97,17 @@ def test_engines_resident_during_training_bound_the_plan():
     assert "does NOT fit" in result.verdict
 
 
+def test_time_shared_colocation_plans_with_the_larger_phase():
+    # the pool that cannot sit next to a resident trainer fits when the two take turns
+    big = ("engine.max_total_tokens=2000000", "engine.mem_fraction_static=0.8")
+    resident = plan(_config("qwen3_30b_a3b_h100x64", *big), nodes=8, gpus_per_node=8)
+    shared = plan(_config("qwen3_30b_a3b_h100x64", *big, "pipeline.time_shared=true", "scheduler.overlap=false"),
+                  nodes=8, gpus_per_node=8)
+    assert resident.problems and "or set pipeline.time_shared=true" in resident.problems[0]
+    assert not shared.problems and shared.peak_gib <= 74.0
+    assert "trainer offloaded during rollout" in shared.report and "train + generate at once" not in shared.report
+
+
 def test_train_and_generate_must_leave_the_reserve_free():
     # the 8-GPU plan with SGLang at 60% of the GPU (~76 GiB at once) fits 80 GiB but not 74
     result = plan(_config("qwen3_30b_a3b_h100x8", "engine.max_total_tokens=4000000", "engine.mem_fraction_static=0.6"),

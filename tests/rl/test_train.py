@@ -111,6 +111,30 @@ def test_train_end_to_end_embedded_engine(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+def test_time_shared_colocation_runs_its_phases_in_order(tmp_path):
+    """pipeline.time_shared: each step releases the engines and brings the trainer back after
+    the rollout, and offloads the trainer and resumes the engines around the weight sync, on
+    every rank in the same order (on CPU the moves themselves are skipped and logged)."""
+    run = tmp_path / "run"
+    train(run, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=0", "pipeline.time_shared=true",
+          "scheduler.overlap=false")
+    _check_steps(run, 2)
+    log = (run / "train.log").read_text()
+    assert "no GPU, so the trainer's offload and SGLang's memory release are skipped" in log
+    for rank in (0, 1):
+        phases = re.findall(rf"rank{rank} INFO .*time-shared step (\d+): (\w+)", log)
+        assert phases == [("0", "start"), ("0", "to_training"), ("0", "to_sync"), ("0", "to_rollout"),
+                          ("1", "to_training"), ("1", "to_sync"), ("1", "to_rollout")], phases
+    assert (run / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
+
+
+def test_time_shared_colocation_refuses_overlap(tmp_path):
+    proc = subprocess.run(_cmd(tmp_path / "run", "pipeline.time_shared=true"), capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert proc.returncode != 0
+    assert "pipeline.time_shared needs scheduler.overlap=false" in proc.stderr
+
+
 # Library chatter that belongs in <run>/train.log, not on the console.
 CHATTER = ("Params for bucket", "param.main_grad.dtype",  # Megatron's gradient-buffer lists
            "OptimizerConfig(", "DistributedDataParallelConfig(",  # ...and config dumps

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
 from megatron_marsrl.rollout.hf_engine import TransformersEngine
-from megatron_marsrl.rollout.pool import EnginePool, RequestFailedError
+from megatron_marsrl.rollout.pool import MEMORY_TAGS, EnginePool, RequestFailedError
 
 
 class Counting:
@@ -85,6 +85,30 @@ def test_engines_with_stale_weights_get_no_requests(hf_engines, tiny_hf):
     asyncio.run(pool.generate_many(_reqs(4)))
     assert stale.calls == 0 and fresh.calls == 4
     fresh.engine.weight_version = 0
+
+
+class Releasing(Counting):
+    """An engine with SGLang's memory-saver calls, recording them."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.memory = []
+
+    def release_memory(self, tags):
+        self.memory.append(("release", tags))
+
+    def resume_memory(self, tags):
+        self.memory.append(("resume", tags))
+
+
+def test_memory_release_reaches_every_engine_that_can(hf_engines):
+    saver = Releasing(hf_engines[0])
+    pool = EnginePool([saver, Counting(hf_engines[1])])
+    assert pool.release_memory(MEMORY_TAGS) == 1  # the embedded engine has nothing to release
+    assert pool.resume_memory(("weights",)) == 1
+    assert saver.memory == [("release", MEMORY_TAGS), ("resume", ("weights",))]
+    with pytest.raises(ValueError, match=r"memory tags \['kv'\]"):
+        pool.resume_memory(("kv",))
 
 
 def test_bad_requests_are_not_retried(hf_engines):
