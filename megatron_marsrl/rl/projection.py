@@ -25,6 +25,8 @@ Placements:
                           trainer yet.
 Every row fits: its peak leaves memory.py's reserve free (6 GiB of 80).
 
+Memory is counted for one policy: with policy.sharing=per_role every GPU holds one trainer
+state and one engine per role, which the time-shared and split rows do not count.
 Speeds, output lengths and the weight-sync time are the simulator's defaults (Qwen3-30B-A3B on
 H100; see SimConfig), so for other models the times are relative figures only. The config gives
 the rest: problems per step, G, k, S, the output cap, segments, the token budget, the layout.
@@ -87,7 +89,7 @@ class ProjectionTable:
     skipped: list[str]
     """'placement: why', for placements left out."""
     config_mode: str
-    """The config's own mode (pipeline.mode, scheduler.overlap) in MODES terms."""
+    """The config's own mode (pipeline.mode, scheduler.overlap) in MODES terms, and its placement."""
     context_tokens: int
     """KV of one decoding sequence, time-weighted (prompt + decoding_context)."""
 
@@ -99,10 +101,11 @@ class ProjectionTable:
 
 
 def config_mode(config: TrainConfig) -> str:
-    """The config's mode in the simulator's names."""
-    if config.pipeline.mode == "sync":
-        return "sync"
-    return "pipeline+overlap" if config.scheduler.overlap else "pipeline"
+    """The config's mode in the simulator's names, and its placement."""
+    mode = "sync" if config.pipeline.mode == "sync" else \
+        "pipeline+overlap" if config.scheduler.overlap else "pipeline"
+    sharing = "time-shared" if config.pipeline.time_shared else "resident"
+    return f"{mode} ({sharing} colocated engines on the first node)"
 
 
 def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident: MemoryEstimate,

@@ -81,13 +81,13 @@ class Trainer:
         self._stop_signal, self._stop_time = None, 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        self.time_share = None  # (the resume's weight sync runs with everything resident)
         if resume:
             try:
                 self._resume()
             except BaseException:  # e.g. a checkpoint of another layout: stop the engines too
                 self.close()
                 raise
-        self.time_share = None
         if config.pipeline.time_shared:
             from megatron_marsrl.rl.time_share import TimeShare
 
