@@ -25,11 +25,6 @@ class HostOffload:
         exercise the round trip where there is no GPU)."""
         self._held: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the storages currently moved out."""
-        return sum(size for _, size, _ in self._held)
-
     def offload(self, tensors: Iterable[torch.Tensor], *, keep_values: bool = True) -> int:
         """Move (or, without ``keep_values``, free) the storages of ``tensors``; each storage
         once, however many tensors view it. Returns the bytes moved out."""

@@ -22,5 +22,5 @@ projection.py        the dry run's step time of every mode x placement that fits
 bench_real.py        the measured half of `marsrl bench pipeline`
 bench_throughput.py  `marsrl bench throughput`: one end-to-end RL step benchmark
 
-scheduler.py, simulate.py and projection.py are pure Python (no torch, Megatron, SGLang or agents).
+scheduler.py and simulate.py are pure Python (no torch, Megatron, SGLang or agents).
 """

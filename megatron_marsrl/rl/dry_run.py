@@ -200,11 +200,12 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection
                             f"max-length output (rollout.sampling.max_tokens={longest})")
         if with_projection:
             # the projection's first row is the resident placement, whatever this config chose
-            resident = estimate(dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
-                                                                                         time_shared=False)),
-                                arch, world)
+            resident = est if not config.pipeline.time_shared else estimate(
+                dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, time_shared=False)),
+                arch, world)
+            resident_peak = peak if resident is est else train_and_generate_gib(resident, policies)
             lines.append(format_table(project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1),
-                                              resident, train_and_generate_gib(resident, policies))))
+                                              resident, resident_peak)))
     peak = max(peak, est.peak_gib)
     return DryRun(report="\n".join(lines), peak_gib=peak, headroom_gib=est.gpu_memory_gib - peak,
                   reserve_gib=est.reserve_gib, problems=problems)

@@ -46,8 +46,6 @@ class TimeShare:
         self.moves = torch.cuda.is_available() if moves is None else moves
         """Whether memory really moves (GPU); False: the phases only run and log."""
         self.step = 0
-        self.phases: list[str] = []
-        """The phases run so far, for tests."""
         self._out: set[str] = set()
         """Trainer parts ("params", "state") currently in host memory."""
         if not self.moves:
@@ -110,5 +108,4 @@ class TimeShare:
             log.info("time-shared: policy %s, %d engine(s) %s %s", name, done, action, "+".join(tags))
 
     def _log(self, phase: str, what: str) -> None:
-        self.phases.append(phase)
         log.info("time-shared step %d: %s: %s%s", self.step, phase, what, "" if self.moves else " (no GPU: nothing moved)")
