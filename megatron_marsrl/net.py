@@ -11,3 +11,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def route_address(toward: str) -> str:
+    """This machine's address on the route to ``toward`` (a host name or IP), as the other side
+    sees it; 127.0.0.1 toward a loopback address. No packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(toward), 9))
+        return s.getsockname()[0]

@@ -86,6 +86,34 @@ def test_engine_config_validates_gpu_placement():
     assert RolloutEngineConfig(kind="sglang_server", num_engines=4, tp_size=2).num_engines == 4
     with pytest.raises(ValueError, match="need more than the 8 GPUs"):
         RolloutEngineConfig(kind="sglang_server", num_engines=3, tp_size=2, base_gpu_id=4)
+    with pytest.raises(ValueError, match="placement=split needs engine.kind=sglang_server"):
+        RolloutEngineConfig(kind="sglang", placement="split")
+    with pytest.raises(ValueError, match="choose one of colocated, split"):
+        RolloutEngineConfig(kind="sglang_server", placement="apart")
+
+
+def test_engines_on_other_nodes_must_be_reachable_and_split_engines_off_the_trainer_gpus(monkeypatch):
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from megatron_marsrl.rl.node_engines import NodeRank, check_placement
+    from megatron_marsrl.rl.recipes import get_recipe
+
+    config = get_recipe("tiny_arithmetic")
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, kind="sglang_server"))
+    two_nodes = NodeRank(node=0, nodes=2, local_rank=0, per_node=4)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    check_placement(config, two_nodes)  # node groups on this machine: loopback servers are reachable
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    with pytest.raises(ValueError, match="set engine.host=0.0.0.0"):
+        check_placement(config, two_nodes)
+    check_placement(config, dataclasses.replace(two_nodes, nodes=1))  # one node: its engines are rank 0's
+    split = dataclasses.replace(config, engine=dataclasses.replace(config.engine, placement="split", base_gpu_id=2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="set engine.base_gpu_id=4"):
+        check_placement(split, dataclasses.replace(two_nodes, nodes=1))
 
 
 def test_start_engines_gives_a_pool(tiny_hf):

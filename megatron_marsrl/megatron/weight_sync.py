@@ -66,8 +66,8 @@ def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list
       less than the log-probs show, e.g. bf16 at lr 1e-6). Engines that cannot read weights
       back (SGLang's Qwen models) report None and are checked by the probe alone; FP8 engines
       hold other values by design (``readback=False``).
-    - probe: the mean |engine - Megatron| log-prob over the ``probe`` tokens (temperature 1)
-      must stay within ``tolerance`` (catches wrong tensors; a robust statistic, so one
+    - probe: the mean |engine - Megatron| log-prob over the ``probe`` tokens (temperature 1),
+      scored by every usable engine of a pool, must stay within ``tolerance`` (catches wrong tensors; a robust statistic, so one
       token's rounding cannot trip it).
 
     Raises :class:`WeightSyncError`. Returns the sync figures plus ``mismatch``
@@ -76,7 +76,11 @@ def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list
     sent = dict.fromkeys(names)
     report = sync_weights(model, arch, engine, version=version, bucket_bytes=bucket_bytes, keep=sent)
     report["readback"] = _check_readback(engine, sent, version) if names else None
-    scored = engine.score(probe) if engine is not None else None
+    if engine is not None:  # a pool's engines each score the probe (other nodes' take weights another way)
+        each = engine.score_each(probe) if hasattr(engine, "score_each") else [engine.score(probe)]
+        probe, scored = probe * len(each), [lp for scores in each for lp in scores]
+    else:
+        scored = None
     report["mismatch"] = logprob_mismatch(model, probe, scored)
     if report["mismatch"]["mean"] > tolerance:
         raise WeightSyncError(f"after syncing weight version {version} the engine's log-probs differ from "

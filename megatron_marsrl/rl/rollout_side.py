@@ -45,9 +45,8 @@ class RolloutSide:
         self.pools = {}
         try:
             for i, name in enumerate(config.policy_names()):
-                # time-shared colocation: SGLang must be able to release its memory (GPU only)
-                self.pools[name] = start_engines(_engines_of_policy(config, i), hf_dir, memory_saver=(
-                    config.pipeline.time_shared and torch.cuda.is_available()))
+                self.pools[name] = start_engines(engines_of_policy(config, i), hf_dir,
+                                                 memory_saver=memory_saver(config))
         except BaseException:
             self.close()
             raise
@@ -70,6 +69,26 @@ class RolloutSide:
                                     seed=config.run.seed)
         self.eval_problems = dataset_from_spec(config.task.eval)[: config.task.eval_size] if config.task.eval else []
         self._snapshot = self.state_dict()
+        self._served: list[int] = []
+
+    def attach_remote(self, urls: dict[str, list[str]], hf_dir: str) -> None:
+        """Add the other nodes' SGLang servers (rl/node_engines.py) to each policy's pool; they
+        take weights by broadcast. Before the first step."""
+        from megatron_marsrl.rollout.factory import attach_engines
+
+        for i, name in enumerate(self.config.policy_names()):
+            if urls.get(name):
+                engines = attach_engines(engines_of_policy(self.config, i), hf_dir, urls[name])
+                self.pools[name].add_engines(engines, by_broadcast=True)
+                log.info("policy %s: %d engine(s) on other nodes joined its pool: %s", name, len(engines),
+                         ", ".join(urls[name]))
+
+    def engines_serving(self) -> int:
+        """Engines (of every policy) that answered a request since the last call."""
+        now = [n for pool in self.pools.values() for n in pool.served()]
+        before = self._served + [0] * (len(now) - len(self._served))
+        self._served = now
+        return sum(a > b for a, b in zip(now, before))
 
     def start_step(self, step: int) -> None:
         """Take the step's problems and start generating (the state before is kept so that a
@@ -143,11 +162,16 @@ class RolloutSide:
             pool.shutdown()
 
 
+def memory_saver(config: TrainConfig) -> bool:
+    """Time-shared colocation: SGLang must be able to release its memory (GPU only)."""
+    return config.pipeline.time_shared and torch.cuda.is_available()
+
+
 def _engine_gpus(engine) -> int:
     return 0 if engine.kind == "hf" else engine.num_engines * engine.tp_size
 
 
-def _engines_of_policy(config: TrainConfig, index: int):
+def engines_of_policy(config: TrainConfig, index: int):
     """Per-role policies get their own engines on the next GPUs (never the same ones)."""
     import dataclasses
 

@@ -30,6 +30,7 @@ from megatron_marsrl.megatron.parallel import gather_data_parallel, init_paralle
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
+from megatron_marsrl.rl.node_engines import NodeEngines, NodeRank, check_placement, gather_remote, spreads
 from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainPhase, TrainRound, Update
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
 from megatron_marsrl.rl.train_metrics import MetricSums, mismatch_metrics, weigh
@@ -47,6 +48,8 @@ class Trainer:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints of a run: pass --resume to continue "
                                   "it, or choose another run.output_dir (nothing was changed)")
         exit_with_launcher()  # ...taking every process this rank starts along
+        where = NodeRank.from_env()
+        check_placement(config, where)
         self.hf_dir = self._initial_model()
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
@@ -65,6 +68,8 @@ class Trainer:
         # through train/mismatch_* instead. The bit-for-bit read-back catches a sync that did nothing.
         self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.1) if not config.engine.quantization else 5.0
         self.rollout = None
+        self.node_engines = NodeEngines(config, str(self.hf_dir), where) \
+            if spreads(config, where) and where.node > 0 and where.local_rank == 0 else None
         if self.rank == 0:
             # An in-process engine (SGLang's CPU path) samples in the rollout thread through
             # torch's global CPU RNG; Megatron's RNG tracker notices the change on every forward
@@ -73,6 +78,10 @@ class Trainer:
             from megatron_marsrl.rl.rollout_side import RolloutSide
 
             self.rollout = RolloutSide(config, str(self.hf_dir))
+        if spreads(config, where):  # every node's engines serve rank 0's pools
+            remote = gather_remote(self.control, self.node_engines)
+            if self.rollout is not None:
+                self.rollout.attach_remote(remote, str(self.hf_dir))
         self.start_step = 0
         self._policy_entropy: dict[str, float] = {}
         """Each policy's mean token entropy in the last step trained (all ranks): DMMPT's gate."""
@@ -457,7 +466,9 @@ class Trainer:
                     "tokens/max_seq_len": max(lengths, default=0),
                     "tokens/attended_len": sum(n * n for n in lengths) / max(sum(lengths), 1),
                     "world/train_gpus": dist.get_world_size(),
-                    "world/rollout_gpus": self.config.engine.num_engines * self.config.engine.tp_size * len(self.rollout.pools)})
+                    "world/rollout_engines_serving": self.rollout.engines_serving(),
+                    "world/rollout_gpus": self.config.engine.tp_size * sum(len(p.engines) for p in
+                                                                           self.rollout.pools.values())})
         return out
 
     # ---- update, sync, evaluate, checkpoint ---------------------------------------------------
@@ -558,6 +569,8 @@ class Trainer:
     def close(self) -> None:
         if self.rollout is not None:
             self.rollout.close()
+        if self.node_engines is not None:
+            self.node_engines.close()
 
 
 class StepAborted(RuntimeError):

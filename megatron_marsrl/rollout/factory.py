@@ -8,6 +8,7 @@ from pathlib import Path
 from megatron_marsrl.rollout.engine import GenerationTimeout
 
 ENGINES = ("hf", "sglang", "sglang_server")
+PLACEMENTS = ("colocated", "split")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -18,7 +19,15 @@ class RolloutEngineConfig:
     """"hf": embedded transformers (CPU default, starts in seconds); "sglang": sglang.Engine in
     this process; "sglang_server": SGLang server processes behind an HTTP client (GPU default)."""
     num_engines: int = 1
-    """Engines on this node; each gets ``tp_size`` consecutive GPUs."""
+    """Engines per node (per policy); each gets ``tp_size`` consecutive GPUs. SGLang servers
+    start on every node of the run (each node's first rank starts its own); the in-process
+    kinds ("hf", "sglang") live in rank 0's process only."""
+    placement: str = "colocated"
+    """"colocated": the engines share GPUs with trainer ranks; those on rank 0's node take
+    weights from rank 0 directly (shared memory / CUDA IPC), other nodes' by broadcast.
+    "split" (sglang_server only): the engines have GPUs of their own on every node (from
+    ``base_gpu_id``, past the node's trainer ranks) and every engine takes weights by
+    broadcast from rank 0 (``update_weights_from_distributed``; NCCL on GPU, gloo on CPU)."""
     tp_size: int = 1
     """Tensor-parallel size of each SGLang engine (the GPUs it spans)."""
     ep_size: int = 1
@@ -62,6 +71,11 @@ class RolloutEngineConfig:
         if self.kind not in ENGINES:
             raise ValueError(f"engine kind={self.kind!r}: choose one of {', '.join(ENGINES)}")
         check_kind(self.quantization, self.kind)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"engine.placement={self.placement!r}: choose one of {', '.join(PLACEMENTS)}")
+        if self.placement == "split" and self.kind != "sglang_server":
+            raise ValueError(f"engine.placement=split needs engine.kind=sglang_server (weights reach the engines by "
+                             f"broadcast to SGLang servers), not {self.kind!r}")
         if self.num_engines < 1 or self.tp_size < 1:
             raise ValueError(f"num_engines={self.num_engines}, tp_size={self.tp_size}: both must be >= 1")
         if self.max_inflight_per_engine < 1 or self.max_batch_tokens < 1:
@@ -91,11 +105,18 @@ def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed
 
 
 def start_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: bool = False):
-    """Start ``cfg.num_engines`` engines and return them behind one EnginePool. ``memory_saver``
-    starts SGLang engines with its memory saver, so that they can release and resume their
-    weights and KV cache (time-shared colocation; GPU only)."""
+    """Start this node's ``cfg.num_engines`` engines and return them behind one EnginePool.
+    ``memory_saver`` starts SGLang engines with its memory saver, so that they can release and
+    resume their weights and KV cache (time-shared colocation; GPU only)."""
     from megatron_marsrl.rollout.pool import EnginePool
 
+    engines = start_node_engines(cfg, model_dir, memory_saver=memory_saver)
+    return EnginePool(engines, max_concurrency=cfg.max_inflight_per_engine * len(engines),
+                      timeout=cfg.generation_timeout, by_broadcast=cfg.placement == "split")
+
+
+def start_node_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: bool = False) -> list:
+    """Start this node's ``cfg.num_engines`` engines (all stopped again if one fails)."""
     engines = []
     try:
         for i in range(cfg.num_engines):
@@ -104,8 +125,14 @@ def start_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: boo
         for engine in engines:
             engine.shutdown()
         raise
-    return EnginePool(engines, max_concurrency=cfg.max_inflight_per_engine * len(engines),
-                      timeout=cfg.generation_timeout)
+    return engines
+
+
+def attach_engines(cfg: RolloutEngineConfig, model_dir: str, urls: list[str]) -> list:
+    """Clients of SGLang servers another node started with ``cfg`` (`start_node_engines`)."""
+    from megatron_marsrl.rollout.sglang_server import SGLangServer
+
+    return [SGLangServer.attach(_server_config(cfg, model_dir, i), url) for i, url in enumerate(urls)]
 
 
 def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_saver: bool = False):
@@ -127,13 +154,19 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_s
                             mem_fraction_static=cfg.mem_fraction_static, quantization=cfg.quantization,
                             enable_return_routed_experts=cfg.routed_experts, deterministic=cfg.deterministic,
                             **({"enable_memory_saver": True} if memory_saver else {}))
-    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServer, SGLangServerConfig
+    from megatron_marsrl.rollout.sglang_server import SGLangServer
 
-    return SGLangServer(SGLangServerConfig(
+    return SGLangServer(_server_config(cfg, model_dir, index, memory_saver=memory_saver)).start()
+
+
+def _server_config(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_saver: bool = False):
+    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServerConfig
+
+    return SGLangServerConfig(
         model_path=model_dir, host=cfg.host, api_key=os.environ.get(API_KEY_ENV) or None,
         max_total_tokens=cfg.max_total_tokens, tp_size=cfg.tp_size, ep_size=cfg.ep_size, dp_size=cfg.dp_size,
         base_gpu_id=cfg.base_gpu_id + index * cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
         startup_timeout=cfg.startup_timeout, generation_timeout=cfg.generation_timeout,
         max_inflight=cfg.max_inflight_per_engine, deterministic=cfg.deterministic,
         seed=cfg.seed + index, quantization=cfg.quantization,
-        enable_return_routed_experts=cfg.routed_experts, memory_saver=memory_saver)).start()
+        enable_return_routed_experts=cfg.routed_experts, memory_saver=memory_saver)

@@ -14,6 +14,10 @@
   once its weights are current again (its version equals the pool's, e.g. after the next
   :meth:`update_weights`), so no sample comes from stale weights.
 - Bounded concurrency, per-request timeouts, and :meth:`abort` of everything in flight.
+- Weights: an engine next to the trainer rank that exports them takes each bucket from it
+  directly (shared memory / CUDA IPC); engines on other GPUs or nodes (another node's engines,
+  the split placement) receive it by broadcast over a process group with that rank
+  (rollout/weight_sync.py; NCCL on GPU, gloo on CPU).
 """
 from __future__ import annotations
 
@@ -41,20 +45,27 @@ class RequestFailedError(RuntimeError):
 @dataclasses.dataclass
 class _Slot:
     engine: object
+    by_broadcast: bool = False
+    """Weights reach it by broadcast (an SGLang server away from the exporting rank)."""
     inflight: int = 0
     restarting: bool = False
+    served: int = 0
+    """Requests it answered."""
 
 
 class EnginePool:
     def __init__(self, engines: list, *, max_concurrency: int = 1024, timeout: GenerationTimeout | None = None,
-                 max_attempts: int = 3, wait_for_engine: float = 600.0):
-        """``max_concurrency``: requests in flight over all engines (the engines batch them).
+                 max_attempts: int = 3, wait_for_engine: float = 600.0, by_broadcast: bool = False):
+        """``max_concurrency``: requests in flight over all engines (the engines batch them;
+        `add_engines` raises it in proportion).
         ``wait_for_engine``: how long a request may wait for a usable engine (all dead or
-        restarting)."""
+        restarting). ``by_broadcast``: these engines receive weights by broadcast (SGLang servers)."""
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
-        self._slots = [_Slot(e) for e in engines]
+        self._slots = [_Slot(e, by_broadcast=by_broadcast) for e in engines]
+        self._per_engine = max(1, max_concurrency // len(engines))
         self._sem = asyncio.Semaphore(max_concurrency)
+        self._sender = None  # the broadcast group, built on the first update that needs it
         self.timeout = timeout or GenerationTimeout()
         self.max_attempts = max_attempts
         self.wait_for_engine = wait_for_engine
@@ -65,6 +76,16 @@ class EnginePool:
     @property
     def engines(self) -> list:
         return [slot.engine for slot in self._slots]
+
+    def served(self) -> list[int]:
+        """Requests each engine answered so far, in pool order."""
+        return [slot.served for slot in self._slots]
+
+    def add_engines(self, engines: list, *, by_broadcast: bool) -> None:
+        """Engines that joined after the pool was built (other nodes' servers); before any
+        request, on the thread that owns the pool. They take part from the next weight update."""
+        self._slots += [_Slot(e, by_broadcast=by_broadcast) for e in engines]
+        self._sem = asyncio.Semaphore(self._per_engine * len(self._slots))
 
     # ---- routing -----------------------------------------------------------------------
     def _usable(self, slot: _Slot) -> bool:
@@ -118,7 +139,9 @@ class EnginePool:
                 slot = self._slots[idx]
                 slot.inflight += 1
                 try:
-                    return await self._attempt(slot, request)
+                    output = await self._attempt(slot, request)
+                    slot.served += 1
+                    return output
                 except Exception as exc:
                     alive = getattr(slot.engine, "alive", lambda: True)()
                     if not isinstance(exc, (*RETRYABLE, asyncio.TimeoutError)) and alive:
@@ -168,14 +191,31 @@ class EnginePool:
         threading.Thread(target=restart, daemon=True).start()
 
     def update_weights(self, buckets, *, version: int) -> int:
-        """Apply each bucket to every live engine; bumps the pool's version."""
+        """Apply each bucket to every live engine (directly, or by broadcast); bumps the pool's
+        version. Returns the tensors applied, summed over the engines."""
         live = [s for s in self._slots if getattr(s.engine, "alive", lambda: True)() and not s.restarting]
+        direct = [s.engine for s in live if not s.by_broadcast]
+        sender = self._broadcast_sender([s.engine for s in live if s.by_broadcast])
         applied = 0
         for bucket in buckets:  # engines apply updates between their batches
-            for slot in live:
-                applied += slot.engine.update_weights([bucket], version=version)
+            for engine in direct:
+                applied += engine.update_weights([bucket], version=version)
+            if sender is not None:
+                sender.send([bucket], version=version)
+                applied += len(bucket) * len(sender.servers)
         self.version = version
         return applied
+
+    def _broadcast_sender(self, servers: list):
+        """The weight-broadcast group over ``servers``, rebuilt when they changed (an engine
+        restarted on a new port joins a new group)."""
+        from megatron_marsrl.rollout.weight_sync import DistributedWeightSender
+
+        if not servers:
+            return None
+        if self._sender is None or [s.url for s in self._sender.servers] != [s.url for s in servers]:
+            self._sender = DistributedWeightSender(servers, group_name=f"marsrl_weights_{id(self)}_{self.version}")
+        return self._sender
 
     def release_memory(self, tags: tuple[str, ...]) -> int:
         """Every engine that can (SGLang with its memory saver) frees the GPU memory of ``tags``
@@ -198,9 +238,13 @@ class EnginePool:
                 done += 1
         return done
 
-    def score(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[float]]:
-        """Log-probs of tokens[1:] from the first usable engine (the weight-sync probe)."""
-        return self._first_usable("score the probe").score(sequences, temperature=temperature)
+    def score_each(self, sequences: list[list[int]], *, temperature: float = 1.0) -> list[list[list[float]]]:
+        """Log-probs of tokens[1:] from every usable engine, in pool order (the weight-sync probe
+        of every engine, however its weights arrived)."""
+        usable = [s.engine for s in self._slots if self._usable(s)]
+        if not usable:
+            raise RequestFailedError("no usable engine to score the probe")
+        return [engine.score(sequences, temperature=temperature) for engine in usable]
 
     def read_weights(self, names: list[str], rows: int) -> dict:
         """The first rows of HF-named tensors from the first usable engine (the sync check)."""

@@ -163,7 +163,21 @@ class SGLangServer:
         self.url = ""
         self.log_path = Path(config.log_dir or os.environ.get("TMPDIR", "/tmp")) / f"sglang-{os.getpid()}-{id(self)}.log"
         self.weight_version = 0
+        self.attached = False
+        """A server another process started and owns (`attach`): this object only talks to it."""
         self._senders = None  # a thread per concurrent HTTP generate call, created on first use
+
+    @classmethod
+    def attach(cls, config: SGLangServerConfig, url: str) -> "SGLangServer":
+        """A client of a running server that another process (another node's trainer rank)
+        started with ``config``: it generates and takes weight updates, but never stops or
+        restarts the process (its owner does); it counts as alive while it answers."""
+        server = cls(config)
+        server.url, server.attached = url.rstrip("/"), True
+        if not server.healthy(timeout=60.0):
+            raise EngineStartError(f"the SGLang server at {server.url} does not answer /health_generate: check that "
+                                   f"this node can reach it and that {API_KEY_ENV} is the same on every node")
+        return server
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "SGLangServer":
@@ -232,7 +246,9 @@ class SGLangServer:
             return False
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """The process runs (for an attached server: assumed; a lost one fails its requests,
+        which the pool retries on other engines)."""
+        return self.attached or (self.proc is not None and self.proc.poll() is None)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:

@@ -19,13 +19,19 @@ class DistributedWeightSender:
     broadcast over a dedicated process group (NCCL on GPU, gloo on CPU) from one trainer rank,
     instead of through shared-memory handles. Create and use it on that trainer rank only."""
 
-    def __init__(self, servers: list, *, master_address: str = "127.0.0.1", master_port: int = 0,
+    def __init__(self, servers: list, *, master_address: str | None = None, master_port: int = 0,
                  backend: str | None = None, group_name: str = "marsrl_weights"):
+        """``master_address``: where the servers reach this rank (default: this machine's address
+        on the route to the first server, 127.0.0.1 for servers on loopback)."""
         from concurrent.futures import ThreadPoolExecutor
+        from urllib.parse import urlsplit
 
         from sglang.srt.utils.common import init_custom_process_group
 
+        from megatron_marsrl.net import route_address
+
         self.servers, self.group_name = servers, group_name
+        master_address = master_address or route_address(urlsplit(servers[0].url).hostname)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         master_port = master_port or free_port(master_address)
         world = 1 + sum(s.config.tp_size for s in servers)

@@ -391,3 +391,43 @@ def test_one_policy_per_role_with_reference_kl(tmp_path):
     assert m[3]["train/kl"] > 0  # the policies moved away from the frozen reference
     assert sorted(p.name for p in (run / "checkpoints" / "step_000003").glob("policy_*")) == \
         ["policy_corrector", "policy_solver", "policy_verifier"]
+
+
+def _two_node_groups(run: Path, *args: str, timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """`marsrl train` as two torchrun node groups of one rank each, rendezvousing on localhost
+    (what `torchrun --nnodes 2 --node-rank N` does on two machines)."""
+    from megatron_marsrl.net import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               *_cmd(run, *args)[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env())
+             for node in range(2)]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for node, proc in enumerate(done):
+        assert proc.returncode == 0, f"node group {node}:\n" + proc.stdout[-3000:] + proc.stderr[-5000:]
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_two_node_groups_start_engines_on_both_and_train(tmp_path, placement):
+    """Each node group starts its own SGLang server; rank 0's pool sends requests to both and
+    the weights reach the other node's server by broadcast over gloo (every server, in the
+    split placement); after each sync every server's log-probs equal Megatron's."""
+    run = tmp_path / "run"
+    _two_node_groups(run, "--engine", "sglang_server", f"engine.placement={placement}", "run.steps=2",
+                             "run.checkpoint_every=0")
+    metrics = _check_steps(run, 2)  # includes: the probe scored by both servers matches Megatron
+    for m in metrics.values():
+        assert m["world/rollout_gpus"] == 2 and m["world/train_gpus"] == 2
+        assert m["world/rollout_engines_serving"] == 2  # both node groups' engines generated this step
+    assert "1 engine(s) on other nodes joined its pool" in (run / "train.log").read_text()
