@@ -7,9 +7,12 @@ nodes x gpus_per_node ranks, and estimates per-GPU memory with
 no engine, no checkpoint read beyond config.json.
 
 How this trainer maps onto the estimate, and why the verdict adds a third figure:
-  * SGLang engines ("sglang", "sglang_server") start on the first node only (rank 0's
-    RolloutSide), each engine rank next to a trainer rank; other GPUs only train. The per-GPU
-    figures are those of an engine GPU, the fullest.
+  * SGLang servers ("sglang_server") start on every node (each node's first rank starts its
+    node's), the in-process "sglang" engines on the first node only. Colocated, each engine rank
+    sits next to a trainer rank, and the per-GPU figures are those of an engine GPU, the
+    fullest. Split (engine.placement=split), each node's GPUs 0..base_gpu_id-1 train and the
+    engines have the rest: the trainer's figures are those of a train-only GPU, and an
+    engine-only GPU is counted on its own line (weights, the KV pool, runtime and context).
   * By default the trainer does not release the engines' memory while it trains, and trains
     while they generate (scheduler.overlap), so the engines' weights, KV pool and runtime stay
     resident during the train phase. The binding figure is then "train + generate at once":
@@ -38,11 +41,13 @@ from pathlib import Path
 
 from megatron_marsrl import gguf
 from megatron_marsrl.megatron.hf_config import ModelArch
-from megatron_marsrl.megatron.memory import (ColocatedRollout, MemoryBudgetError, MemoryConfig, MemoryEstimate,
-                                             check_fits, estimate_memory, format_report)
+from megatron_marsrl.megatron.memory import (GIB, ColocatedRollout, MemoryBudgetError, MemoryConfig, MemoryEstimate,
+                                             check_fits, engine_weights_gib, estimate_memory, format_report,
+                                             kv_bytes_per_token)
 from megatron_marsrl.megatron.parallel import LayoutError
 from megatron_marsrl.rl.config import TrainConfig
 from megatron_marsrl.rl.projection import format_table, project
+from megatron_marsrl.rollout.sglang_server import is_loopback
 
 GPU_ENGINES = ("sglang", "sglang_server")
 
@@ -100,19 +105,49 @@ def _task_arch(config: TrainConfig) -> ModelArch:
     return ModelArch.from_hf_dict(hf, source="task.tiny_model")
 
 
-def _check_engine_placement(config: TrainConfig, gpus_per_node: int) -> str:
-    """Raise LayoutError when the engines do not fit the first node; describe them otherwise."""
+def _check_engine_placement(config: TrainConfig, nodes: int, gpus_per_node: int) -> list[str]:
+    """Raise LayoutError when the engines do not fit a node; describe where they start otherwise."""
     eng = config.engine
     if eng.kind not in GPU_ENGINES:
-        return f"engine {eng.kind!r}: not on the GPUs, outside this estimate"
-    end = eng.base_gpu_id + eng.num_engines * eng.tp_size
+        return [f"engine {eng.kind!r}: not on the GPUs, outside this estimate"]
+    policies = len(config.policy_names())
+    end = eng.base_gpu_id + eng.num_engines * eng.tp_size * policies
     if end > gpus_per_node:
-        raise LayoutError(f"engine: {eng.num_engines} engine(s) x tp_size {eng.tp_size} from GPU {eng.base_gpu_id} "
-                          f"need GPUs {eng.base_gpu_id}..{end - 1} of the first node, which has {gpus_per_node}")
+        raise LayoutError(f"engine: {eng.num_engines} engine(s) x tp_size {eng.tp_size}"
+                          f"{f' x {policies} policies' if policies > 1 else ''} from GPU {eng.base_gpu_id} need "
+                          f"GPUs {eng.base_gpu_id}..{end - 1} of a node, which has {gpus_per_node}")
     if eng.tp_size % eng.ep_size or eng.tp_size % eng.dp_size:
         raise LayoutError(f"engine: ep_size={eng.ep_size} and dp_size={eng.dp_size} must divide tp_size={eng.tp_size}")
-    return (f"engine {eng.kind}: {eng.num_engines} x TP{eng.tp_size} on GPUs {eng.base_gpu_id}..{end - 1} of the "
-            f"first node (the trainer starts engines there only; the other GPUs train only)")
+    if eng.placement == "split" and eng.base_gpu_id < 1:
+        raise LayoutError("engine.placement=split with engine.base_gpu_id=0 leaves no GPU of a node to train: each "
+                          "node's GPUs 0..base_gpu_id-1 train, the engines take the GPUs from base_gpu_id on")
+    engines = f"{eng.num_engines} x TP{eng.tp_size}{f' per policy' if policies > 1 else ''} on GPUs " \
+              f"{eng.base_gpu_id}..{end - 1}"
+    if eng.kind == "sglang":
+        return [f"engine sglang: {engines} of the first node (in-process engines live in rank 0's process; the "
+                "other nodes' GPUs train only)"]
+    lines = [f"engine sglang_server: {engines} of each of the {nodes} node(s), {nodes * eng.num_engines} engine(s) "
+             "per policy in all (each node's first rank starts its node's)"]
+    if eng.placement == "split":
+        lines[0] += (f"; split: GPUs 0..{eng.base_gpu_id - 1} of each node train (torchrun --nproc-per-node "
+                     f"{eng.base_gpu_id}), the engines take weights by broadcast")
+    if nodes > 1 and is_loopback(eng.host):
+        lines.append("note: rank 0 reaches the other nodes' engines over the network: launch with "
+                     "engine.host=0.0.0.0 and the same secret in MARSRL_SGLANG_API_KEY on every node")
+    return lines
+
+
+def _engine_only_gib(config: TrainConfig, arch: ModelArch, gpu_memory_gib: float) -> tuple[float, int]:
+    """Per-GPU memory of an engine-only GPU (split placement) and its KV pool in tokens: weights,
+    the pool (max_total_tokens, capped by what mem_fraction_static leaves), runtime and context."""
+    eng = config.engine
+    rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=eng.max_total_tokens,
+                               weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
+    weights, per_token = engine_weights_gib(arch, rollout), kv_bytes_per_token(arch, rollout) / GIB
+    tokens = eng.max_total_tokens
+    if eng.mem_fraction_static is not None:
+        tokens = min(tokens, int(max(0.0, eng.mem_fraction_static * gpu_memory_gib - weights) / per_token))
+    return weights + tokens * per_token + rollout.runtime_gib + rollout.context_gib, tokens
 
 
 def _micro_batch_tokens(config: TrainConfig, arch: ModelArch) -> int:
@@ -129,7 +164,7 @@ def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
     replaces mem_fraction_static, for SGLang's max_total_tokens cap)."""
     eng = config.engine
     rollout = None
-    if eng.kind in GPU_ENGINES:
+    if eng.kind in GPU_ENGINES and eng.placement == "colocated":
         if kv_cache_tokens is None and eng.mem_fraction_static is None:
             kv_cache_tokens = eng.max_total_tokens
         rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=kv_cache_tokens,
@@ -167,20 +202,30 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection
     GPUs. Raises LayoutError (a ValueError) for layouts that cannot run at all."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"--nodes={nodes}, GPUs per node={gpus_per_node}: both must be >= 1")
-    world = nodes * gpus_per_node
     arch, source = model_arch(config)
-    placement = _check_engine_placement(config, gpus_per_node)
+    placement = _check_engine_placement(config, nodes, gpus_per_node)
+    eng = config.engine
+    split = eng.kind in GPU_ENGINES and eng.placement == "split"
+    world = nodes * (eng.base_gpu_id if split else gpus_per_node)  # the trainer's ranks
     est = estimate(config, arch, world)
     policies = len(config.policy_names())
-    lines = [f"model: {source}", f"world: {nodes} node(s) x {gpus_per_node} GPUs = {world}", placement,
-             format_report(est)]
+    lines = [f"model: {source}", f"world: {nodes} node(s) x {gpus_per_node} GPUs = {nodes * gpus_per_node}"
+             + (f", {world} of them train" if split else ""), *placement, format_report(est)]
     problems = []
     try:
         check_fits(est)
     except MemoryBudgetError as exc:
         problems.append(str(exc))
     peak = est.peak_gib
-    if est.colocated and config.pipeline.time_shared:
+    if split:
+        engine_gib, tokens = _engine_only_gib(config, arch, est.gpu_memory_gib)
+        lines.append(f"engine-only GPUs (split): {engine_gib:.2f} GiB per GPU, KV pool {tokens} tokens per engine, "
+                     f"headroom {est.gpu_memory_gib - engine_gib:.2f}")
+        if engine_gib > est.usable_gib:
+            problems.append(f"an engine-only GPU needs {engine_gib:.1f} GiB, more than the {est.usable_text}: lower "
+                            "engine.max_total_tokens or engine.mem_fraction_static, or widen engine.tp_size")
+        peak = max(peak, engine_gib)
+    elif est.colocated and config.pipeline.time_shared:
         lines.append("time-shared (pipeline.time_shared): the trainer's state is in host memory while the engines "
                      "generate and the engines release theirs while it trains, so the peak is the larger phase")
     elif est.colocated:
@@ -198,14 +243,23 @@ def plan(config: TrainConfig, *, nodes: int, gpus_per_node: int, with_projection
         if 0 < est.kv_cache_tokens < longest:
             problems.append(f"the SGLang KV pool ({est.kv_cache_tokens} tokens per engine) is smaller than one "
                             f"max-length output (rollout.sampling.max_tokens={longest})")
-        if with_projection:
-            # the projection's first row is the resident placement, whatever this config chose
-            resident = est if not config.pipeline.time_shared else estimate(
-                dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, time_shared=False)),
-                arch, world)
-            resident_peak = peak if resident is est else train_and_generate_gib(resident, policies)
-            lines.append(format_table(project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1),
-                                              resident, resident_peak)))
+    if with_projection and eng.kind in GPU_ENGINES:
+        lines.append(format_table(_projection(config, arch, nodes, gpus_per_node, est, peak)))
     peak = max(peak, est.peak_gib)
     return DryRun(report="\n".join(lines), peak_gib=peak, headroom_gib=est.gpu_memory_gib - peak,
                   reserve_gib=est.reserve_gib, problems=problems)
+
+
+def _projection(config: TrainConfig, arch: ModelArch, nodes: int, gpus_per_node: int, est: MemoryEstimate,
+                peak: float):
+    """The projection's table; its first row is the config's engines colocated and resident on the
+    whole cluster, whatever this config chose (reusing the dry run's own estimate when it is that)."""
+    world = nodes * gpus_per_node
+    resident_config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, placement="colocated", base_gpu_id=0),
+        pipeline=dataclasses.replace(config.pipeline, time_shared=False))
+    if resident_config != config:
+        est = estimate(resident_config, arch, world)
+        peak = train_and_generate_gib(est, len(config.policy_names()))
+    return project(config, arch, memory_config(resident_config, arch, world, kv_cache_tokens=1), est, peak,
+                   nodes=nodes)

@@ -8,21 +8,23 @@ KV a decoding sequence holds on average over time (the prompt plus
 discrete-event simulator (rl/simulate.py) turns that into step time.
 
 Placements:
-  colocated, resident     what the trainer runs today: engines on the first node only
-                          (engine.num_engines x engine.tp_size GPUs; every GPU trains), resident
-                          while training runs, with the config's KV pool. All three modes.
+  colocated, resident     engines on the GPUs the config gives them (engine.num_engines x
+                          engine.tp_size per node: on every node for SGLang servers, on the
+                          first node for in-process engines), every GPU trains, the engines stay
+                          resident while training runs, with the config's KV pool. All three modes.
   colocated, time-shared  engines on every GPU; the trainer's parameters and optimizer state
                           leave the GPU while the engines generate (its gradients are freed),
                           and the engines release weights and KV while it trains: the KV pool
                           is what the rollout phase leaves. No overlap (training and generation
                           never hold the GPU together); every step pays the swap both ways at
-                          SWAP_GIB_PER_S plus ENGINE_RESUME_S. The trainer time-shares
-                          (pipeline.time_shared) but starts engines on the first node only, so
-                          this row is not what it runs yet.
+                          SWAP_GIB_PER_S plus ENGINE_RESUME_S. The trainer runs it with SGLang
+                          servers (pipeline.time_shared, engines covering each node's GPUs).
   split R+T               R GPUs only generate (the KV pool is what an engine-only GPU leaves),
                           T GPUs only train, with the config's layout (expert parallelism
-                          reduced to divide T where needed). A few R per cluster. Not in the
-                          trainer yet.
+                          reduced to divide T where needed). The trainer splits inside each
+                          node (engine.placement=split: the first GPUs of a node train, the rest
+                          hold whole engines); where no such split exists (engines as wide as a
+                          node), whole nodes are split, which the trainer cannot launch.
 Every row fits: its peak leaves memory.py's reserve free (6 GiB of 80).
 
 Memory is counted for one policy: with policy.sharing=per_role every GPU holds one trainer
@@ -104,17 +106,27 @@ def config_mode(config: TrainConfig) -> str:
     """The config's mode in the simulator's names, and its placement."""
     mode = "sync" if config.pipeline.mode == "sync" else \
         "pipeline+overlap" if config.scheduler.overlap else "pipeline"
+    where = "every node" if config.engine.kind == "sglang_server" else "the first node"
+    if config.engine.placement == "split":
+        return f"{mode} (split: engines on GPUs of their own on {where})"
     sharing = "time-shared" if config.pipeline.time_shared else "resident"
-    return f"{mode} ({sharing} colocated engines on the first node)"
+    return f"{mode} ({sharing} colocated engines on {where})"
+
+
+def engine_gpus_started(config: TrainConfig, nodes: int) -> int:
+    """GPUs one policy's engines take: each node's for SGLang servers, the first node's otherwise."""
+    eng = config.engine
+    return eng.num_engines * eng.tp_size * (nodes if eng.kind == "sglang_server" else 1)
 
 
 def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident: MemoryEstimate,
-            resident_peak_gib: float) -> ProjectionTable:
-    """Project every placement for `config`. `memory` holds the estimate's inputs for the config
-    on the whole cluster (its engines' KV pool is replaced here), `resident` the dry run's estimate
-    of the config as it runs, `resident_peak_gib` its binding peak (training next to resident,
-    generating engines)."""
+            resident_peak_gib: float, *, nodes: int = 1) -> ProjectionTable:
+    """Project every placement for `config` on `nodes` nodes. `memory` holds the estimate's
+    inputs for the config's engines colocated on the whole cluster (their KV pool is replaced
+    here), `resident` the dry run's estimate of them colocated and resident, `resident_peak_gib`
+    its binding peak (training next to resident, generating engines)."""
     eng, par, world = config.engine, config.parallel, memory.world_size
+    servers = eng.kind == "sglang_server"  # the engines that can start on every node
     base = _sim_config(config, world)
     context = math.ceil(base.prompt_tokens + base.length_model().decoding_context())
     rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=1,
@@ -135,12 +147,12 @@ def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident
                                sequences_per_engine=seqs, peak_gib=peak, in_trainer=in_trainer,
                                step_s={m: r.median_step_s for m, r in result.modes.items()}))
 
-    first_node = eng.num_engines * eng.tp_size
+    started = engine_gpus_started(config, nodes)
     if resident_peak_gib > resident.usable_gib:
         skipped.append(f"{RESIDENT}: training next to resident engines needs {resident_peak_gib:.1f} GiB per GPU")
     else:
-        add(RESIDENT, kv=resident.kv_cache_tokens, peak=resident_peak_gib, engine_gpus=first_node, train_gpus=world,
-            sim=dataclasses.replace(base, engine_gpus=first_node), modes=MODES, in_trainer=True)
+        add(RESIDENT, kv=resident.kv_cache_tokens, peak=resident_peak_gib, engine_gpus=started, train_gpus=world,
+            sim=dataclasses.replace(base, engine_gpus=started), modes=MODES, in_trainer=True)
 
     fill = int((resident.usable_gib - memory.framework_gib - engine_fixed) / kv_token_gib)
     shared = estimate_memory(arch, par, dataclasses.replace(
@@ -153,10 +165,12 @@ def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident
         swap_s = 2 * (shared.params_gib + shared.optimizer_gib) / SWAP_GIB_PER_S + ENGINE_RESUME_S
         add(TIME_SHARED, kv=fill, peak=shared.peak_gib, engine_gpus=world, train_gpus=world,
             sim=dataclasses.replace(base, weight_sync_s=base.weight_sync_s + swap_s), modes=("sync", "pipeline"),
-            in_trainer=False)
+            in_trainer=servers)
 
     engine_only = int((resident.usable_gib - engine_fixed) / kv_token_gib)
-    for gen in _split_candidates(world, eng.tp_size):
+    per_node = _split_candidates(world // nodes, eng.tp_size)
+    in_nodes = bool(per_node) and servers
+    for gen in [g * nodes for g in per_node] if per_node else _split_candidates(world, eng.tp_size):
         name = f"split {gen}+{world - gen}"
         train = _train_alone(config, arch, world - gen, memory)
         if isinstance(train, str):
@@ -164,7 +178,7 @@ def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident
             continue
         peak = max(train.train_gib, engine_fixed + engine_only * kv_token_gib)
         add(name, kv=engine_only, peak=peak, engine_gpus=gen, train_gpus=world - gen,
-            sim=dataclasses.replace(base, rollout_gpus=gen), modes=MODES, in_trainer=False)
+            sim=dataclasses.replace(base, rollout_gpus=gen), modes=MODES, in_trainer=in_nodes)
     return ProjectionTable(rows=rows, skipped=skipped, config_mode=config_mode(config), context_tokens=context)
 
 
@@ -183,7 +197,8 @@ def _sim_config(config: TrainConfig, world: int) -> SimConfig:
 
 
 def _split_candidates(world: int, engine_tp: int) -> list[int]:
-    """Generation GPU counts tried for the split placement: whole engines, some GPUs left to train."""
+    """Generation GPU counts tried for the split placement (of a node, or of the cluster): whole
+    engines, some GPUs left to train."""
     counts = {round(world * f / engine_tp) * engine_tp for f in SPLIT_FRACTIONS}
     return sorted(c for c in counts if 0 < c < world)
 

@@ -122,7 +122,7 @@ def smollm2_arithmetic() -> TrainConfig:
 RECIPES: dict[str, Callable[[], TrainConfig]] = {"tiny_arithmetic": tiny_arithmetic,
                                                  "tiny_arithmetic_sft_rl": tiny_arithmetic_sft_rl,
                                                  "smollm2_arithmetic": smollm2_arithmetic}
-RECIPES.update(QWEN3_RECIPES)  # qwen3_30b_a3b_h100x{8,16,32,64}: megatron_marsrl/rl/recipes_qwen3.py
+RECIPES.update(QWEN3_RECIPES)  # qwen3_30b_a3b_h100x{8,16,32,64}[_split]: megatron_marsrl/rl/recipes_qwen3.py
 
 
 def get_recipe(spec: str) -> TrainConfig:

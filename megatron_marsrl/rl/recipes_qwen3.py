@@ -1,4 +1,5 @@
-"""MarsRL recipes for Qwen3-30B-A3B(-Thinking-2507) on 8, 16, 32 and 64 H100-80GB GPUs.
+"""MarsRL recipes for Qwen3-30B-A3B(-Thinking-2507) on 8, 16, 32 and 64 H100-80GB GPUs, with the
+engines colocated with the trainer, and on 32 and 64 GPUs split from it.
 
     marsrl train --recipe qwen3_30b_a3b_h100x16 --nodes 2 --dry-run         # layout + memory, no GPU
     marsrl train --recipe qwen3_30b_a3b_h100x16 model.path=/ckpt/Qwen3-30B-A3B-Thinking-2507 \\
@@ -9,15 +10,22 @@ paper's set-up, all forced by what this trainer supports today:
   * no context parallelism: a whole sequence (prompt + up to 64k output) is one micro-batch
     on one model replica, so TP=4 (the most the 4 KV heads allow) is needed to split its
     152k-vocabulary logits, and every layer is recomputed in backward;
-  * SGLang engines start on the first node only and stay resident while training runs
-    (no memory release), so each engine's KV pool (engine.max_total_tokens) is what is left
-    after training's peak, SGLang's runtime and the dry run's reserve (6 GiB of 80 kept free
-    for fragmentation, NCCL buffers and IPC contexts: megatron/memory.py reserve_fraction).
+  * colocated recipes (qwen3_30b_a3b_h100x{8,16,32,64}): one TP8 SGLang engine per node,
+    resident while training runs (no memory release), so each engine's KV pool
+    (engine.max_total_tokens) is what is left after training's peak, SGLang's runtime and the
+    dry run's reserve (6 GiB of 80 kept free for fragmentation, NCCL buffers and IPC
+    contexts: megatron/memory.py reserve_fraction). Of the colocated, resident modes,
+    pipeline+overlap projects fastest at every size, so these recipes use it.
+  * split recipes (qwen3_30b_a3b_h100x{32,64}_split): on every node GPUs 0-1 train and GPUs
+    2-7 hold three TP2 engines, which take each weight sync by broadcast from rank 0
+    (update_weights_from_distributed over NCCL). Launch torchrun with --nproc-per-node 2.
+    Their dry runs rank this split and pipeline+overlap first of every mode x placement:
+    3090 s/step at 64 GPUs (2.99x over sync in the same placement), 5968 s at 32 (2.14x).
   * Mode and placement: the dry run's last table (rl/projection.py) projects every mode in
-    every placement that fits. Of what the trainer runs (colocated, engines resident),
-    pipeline+overlap is the fastest at every size, so every recipe uses it. The table also
-    shows how much faster time-shared colocation and split placement would be; the trainer
-    has neither yet, and with engines on the first node only, most GPUs never generate.
+    every placement that fits and marks what the trainer cannot launch.
+  * Engines on other nodes are reached over the network: multi-node runs need
+    engine.host=0.0.0.0 and one MARSRL_SGLANG_API_KEY on every node (the launch scripts in
+    examples/qwen3_30b_a3b/ set both).
 
 model.path and task.train/eval default to placeholders under /data/...; override them. The
 embedded config.json values (model.arch) let `--dry-run` plan without the checkpoint; when
@@ -25,6 +33,8 @@ model.path/config.json exists it is read instead. Every figure was checked with 
 only (memory estimate of megatron_marsrl.megatron.memory), not on GPUs.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from megatron_marsrl.agents.client import SamplingParams
 from megatron_marsrl.agents.rollout import RolloutConfig
@@ -111,13 +121,13 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
         ),
         engine=RolloutEngineConfig(
             kind="sglang_server",  # SGLang server processes: the GPU engine; weights synced over HTTP
-            num_engines=1,  # one engine fills the first node (the trainer starts engines there only)
+            num_engines=1,  # one engine per node fills it (every node starts its own)
             tp_size=ENGINE_TP,  # 61 GB of bf16 weights / 8 = 7.6 GiB per GPU: the most room left for KV
             ep_size=1,  # plain TP inside the engine, the path the weight-sync tests cover
             dp_size=1,
             base_gpu_id=0,
             gpus_per_node=8,  # H100 nodes of 8 GPUs
-            host="127.0.0.1",  # only rank 0, on the same node, talks to the engine
+            host="127.0.0.1",  # one node; multi-node launches override it (module docstring)
             max_total_tokens=kv_tokens,  # the binding size of the pool (per size below); SGLang sizes it at start
             mem_fraction_static=0.6,  # only an upper bound (48 GiB of weights + KV + what is resident then)
             startup_timeout=1200.0,  # loading 61 GB and capturing CUDA graphs takes minutes
@@ -199,10 +209,42 @@ def qwen3_30b_a3b_h100x64() -> TrainConfig:
     )
 
 
+def _split(config: TrainConfig, gpus: int) -> TrainConfig:
+    """`config` in the split placement: on every node GPUs 0-1 train and three TP2 engines take
+    GPUs 2-7 (three quarters of the GPUs generate; the split the projection ranks first)."""
+    engine = dataclasses.replace(
+        config.engine,
+        placement="split",  # engine-only GPUs; weights by broadcast from rank 0 (NCCL)
+        tp_size=2,  # 61 GB / 2 = 28.4 GiB of weights per GPU; three engines fit the six GPUs
+        num_engines=3,
+        base_gpu_id=2,  # GPUs 0-1 train: torchrun --nproc-per-node 2
+        mem_fraction_static=0.85,  # nothing else on these GPUs; max_total_tokens binds below it
+    )
+    return dataclasses.replace(config, engine=engine,
+                               run=dataclasses.replace(config.run, output_dir=f"outputs/qwen3_30b_a3b_h100x{gpus}_split"))
+
+
+def qwen3_30b_a3b_h100x32_split() -> TrainConfig:
+    """4 nodes split 2 + 6: the trainer has 8 GPUs (the 8-GPU layout and its host Adam), 12 TP2
+    engines have the other 24."""
+    return _split(_marsrl(32, ep=8, offload=1.0,
+                          kv_tokens=851968),  # 13 x 64k per TP2 engine: an engine-only GPU at 72.4 GiB (dry run)
+                  32)
+
+
+def qwen3_30b_a3b_h100x64_split() -> TrainConfig:
+    """8 nodes split 2 + 6: the trainer has 16 GPUs (the 16-GPU layout), 24 TP2 engines have 48."""
+    return _split(_marsrl(64, ep=16, offload=0.75,
+                          kv_tokens=851968),  # 13 x 64k per TP2 engine: an engine-only GPU at 72.4 GiB (dry run)
+                  64)
+
+
 QWEN3_RECIPES = {
     "qwen3_30b_a3b_h100x8": qwen3_30b_a3b_h100x8,
     "qwen3_30b_a3b_h100x16": qwen3_30b_a3b_h100x16,
     "qwen3_30b_a3b_h100x32": qwen3_30b_a3b_h100x32,
     "qwen3_30b_a3b_h100x64": qwen3_30b_a3b_h100x64,
+    "qwen3_30b_a3b_h100x32_split": qwen3_30b_a3b_h100x32_split,
+    "qwen3_30b_a3b_h100x64_split": qwen3_30b_a3b_h100x64_split,
 }
 """Recipe name -> function, registered in megatron_marsrl.rl.recipes.RECIPES."""

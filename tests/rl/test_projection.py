@@ -6,8 +6,8 @@ import pytest
 from megatron_marsrl.megatron.memory import GIB, ColocatedRollout, estimate_memory, kv_bytes_per_token
 from megatron_marsrl.rl.dry_run import estimate, memory_config, model_arch, plan, train_and_generate_gib
 from megatron_marsrl.rl.overrides import apply_overrides
-from megatron_marsrl.rl.projection import (MAX_SEQUENCES_PER_GPU, RESIDENT, TIME_SHARED, config_mode, format_table,
-                                           project)
+from megatron_marsrl.rl.projection import (MAX_SEQUENCES_PER_GPU, RESIDENT, TIME_SHARED, config_mode,
+                                           engine_gpus_started, format_table, project)
 from megatron_marsrl.rl.recipes import get_recipe
 from megatron_marsrl.rl.simulate import MODES
 
@@ -20,7 +20,8 @@ def _table(name="qwen3_30b_a3b_h100x64", *overrides, world=64):
     arch, _ = model_arch(config)
     est = estimate(config, arch, world)
     peak = train_and_generate_gib(est, len(config.policy_names()))
-    return config, arch, est, project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1), est, peak)
+    return config, arch, est, project(config, arch, memory_config(config, arch, world, kv_cache_tokens=1), est, peak,
+                                      nodes=world // 8)
 
 
 def test_every_row_fits_and_takes_its_concurrency_from_its_kv_pool():
@@ -33,12 +34,13 @@ def test_every_row_fits_and_takes_its_concurrency_from_its_kv_pool():
                                                row.kv_tokens // table.context_tokens)
         assert all(t > 0 for t in row.step_s.values())
     resident, shared = table.rows[0], table.rows[1]
-    # today's trainer: the config's own pool, engines on the first node only, training next to them
+    # the config as it runs: its own pool, one engine per node (every node starts its own),
+    # training next to them
     assert resident.kv_tokens == est.kv_cache_tokens == config.engine.max_total_tokens
-    assert resident.engine_gpus == config.engine.num_engines * config.engine.tp_size == 8 and resident.in_trainer
+    assert resident.engine_gpus == 8 * config.engine.num_engines * config.engine.tp_size == 64 and resident.in_trainer
     assert set(resident.step_s) == set(MODES)
     # time-shared: no overlap; the trainer's state is off the GPU, so the pool is far larger
-    assert set(shared.step_s) == {"sync", "pipeline"} and not shared.in_trainer
+    assert set(shared.step_s) == {"sync", "pipeline"} and shared.in_trainer
     assert shared.kv_tokens > 2 * resident.kv_tokens and shared.engine_gpus == 64
     assert shared.sequences_per_engine > resident.sequences_per_engine
     # ... and that pool, put back into the memory model, fills the rollout phase to the reserve
@@ -50,15 +52,26 @@ def test_every_row_fits_and_takes_its_concurrency_from_its_kv_pool():
     assert shared.peak_gib == pytest.approx(two_phase.peak_gib)
 
 
-def test_more_engines_make_every_placement_faster_than_today():
-    _, _, _, table = _table()
-    resident = table.rows[0]
-    for row in table.rows[1:]:
-        assert min(row.step_s.values()) < min(resident.step_s.values())
-    row, mode = table.fastest()
-    assert row.step_s[mode] == min(t for r in table.rows for t in r.step_s.values())
-    today, _ = table.fastest(in_trainer=True)
-    assert today is resident
+def test_engines_on_every_node_count_in_the_resident_row():
+    config, arch, est, table = _table()
+    memory = memory_config(config, arch, 64, kv_cache_tokens=1)
+    one_node = project(config, arch, memory, est, train_and_generate_gib(est), nodes=1)
+    # the same engines on one 64-GPU "node" instead of eight nodes: an eighth of the engines
+    assert one_node.rows[0].engine_gpus == 8 and table.rows[0].engine_gpus == 64
+    assert min(one_node.rows[0].step_s.values()) > 2 * min(table.rows[0].step_s.values())
+    # in-process engines live in rank 0's process: the first node only, whatever the cluster
+    assert engine_gpus_started(apply_overrides(config, ["engine.kind=sglang"]), 8) == 8
+    assert engine_gpus_started(config, 8) == 64
+
+
+def test_split_inside_nodes_runs_in_the_trainer_only_with_engines_narrower_than_a_node():
+    _, _, _, table = _table()  # TP8 engines: only whole nodes can be split, which the trainer cannot launch
+    splits = [row for row in table.rows if row.placement.startswith("split")]
+    assert splits and not any(row.in_trainer for row in splits)
+    _, _, _, narrow = _table("qwen3_30b_a3b_h100x64", "engine.tp_size=2")
+    splits = [row for row in narrow.rows if row.placement.startswith("split")]
+    assert splits and all(row.in_trainer and row.engine_gpus % 8 == 0 and row.engine_gpus // 8 % 2 == 0
+                          for row in splits)
 
 
 def test_format_names_the_fastest_and_what_the_trainer_runs():
@@ -67,8 +80,9 @@ def test_format_names_the_fastest_and_what_the_trainer_runs():
     assert "projected step time per mode x placement" in text
     row, mode = table.fastest()
     assert f"fastest: {row.placement}, {mode}: {row.step_s[mode]:.0f} s/step" in text
-    assert f"this config runs {config_mode(config)}" in text and config_mode(config).startswith("pipeline+overlap (resident")
-    assert text.count("(not in trainer)") == len(table.rows) - 1
+    assert f"this config runs {config_mode(config)}" in text
+    assert config_mode(config) == "pipeline+overlap (resident colocated engines on every node)"
+    assert text.count("(not in trainer)") == sum(not row.in_trainer for row in table.rows) > 0
 
 
 def test_a_split_that_cannot_train_is_left_out_with_the_reason():
