@@ -146,7 +146,10 @@ def _engine_only_gib(config: TrainConfig, arch: ModelArch, gpu_memory_gib: float
     weights, per_token = engine_weights_gib(arch, rollout), kv_bytes_per_token(arch, rollout) / GIB
     tokens = eng.max_total_tokens
     if eng.mem_fraction_static is not None:
-        tokens = min(tokens, int(max(0.0, eng.mem_fraction_static * gpu_memory_gib - weights) / per_token))
+        # SGLang's pool: the fraction of the GPU, less what is taken when it sizes the pool (the
+        # CUDA context and the weights), as memory.py sizes a colocated pool
+        free = eng.mem_fraction_static * gpu_memory_gib - rollout.context_gib - weights
+        tokens = min(tokens, int(max(0.0, free) / per_token))
     return weights + tokens * per_token + rollout.runtime_gib + rollout.context_gib, tokens
 
 

@@ -218,7 +218,7 @@ def _split(config: TrainConfig, gpus: int) -> TrainConfig:
         tp_size=2,  # 61 GB / 2 = 28.4 GiB of weights per GPU; three engines fit the six GPUs
         num_engines=3,
         base_gpu_id=2,  # GPUs 0-1 train: torchrun --nproc-per-node 2
-        mem_fraction_static=0.85,  # nothing else on these GPUs; max_total_tokens binds below it
+        mem_fraction_static=0.86,  # nothing else on these GPUs; max_total_tokens binds just below it
     )
     return dataclasses.replace(config, engine=engine,
                                run=dataclasses.replace(config.run, output_dir=f"outputs/qwen3_30b_a3b_h100x{gpus}_split"))

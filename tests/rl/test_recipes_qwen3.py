@@ -236,3 +236,23 @@ def test_bf16_gradient_buffers_halve_the_planned_gradients():
     bf16 = estimate(_config("qwen3_30b_a3b_h100x8", "optim.grad_reduce_in_fp32=false"), arch, 8)
     assert bf16.grads_gib == pytest.approx(fp32.grads_gib / 2) and fp32.grads_gib > 5
     assert bf16.params_gib == fp32.params_gib
+
+
+def test_split_engine_pool_is_capped_by_the_memory_fraction_and_must_fit():
+    def engine_only(*overrides):
+        result = plan(_config("qwen3_30b_a3b_h100x64_split", *overrides), nodes=8, gpus_per_node=8)
+        gib, tokens = re.search(r"engine-only GPUs \(split\): ([\d.]+) GiB per GPU, KV pool (\d+)", result.report).groups()
+        return float(gib), int(tokens), result
+
+    gib, tokens, _ = engine_only()
+    small_gib, small, _ = engine_only("engine.mem_fraction_static=0.7")
+    per_token_gib = 2 * 48 * 2 * 128 * 2 / 2**30  # TP2: 2 of the 4 KV heads per GPU, bf16 K and V, 48 layers
+    weights = gib - 5.0 - tokens * per_token_gib
+    # SGLang's pool under the fraction: 0.7 x 80 GiB less the CUDA context (1 GiB) and the weights
+    assert small == pytest.approx((0.7 * 80 - 1.0 - weights) / per_token_gib, abs=300) and small < tokens  # gib is printed to 0.01
+    assert small_gib == pytest.approx(gib - (tokens - small) * per_token_gib, abs=0.01)
+    _, _, too_big = engine_only("engine.max_total_tokens=1500000", "engine.mem_fraction_static=0.95")
+    assert any("an engine-only GPU needs" in p for p in too_big.problems)
+    with pytest.raises(LayoutError, match="leaves no GPU of a node to train"):
+        plan(_config("qwen3_30b_a3b_h100x64_split", "engine.base_gpu_id=0", "engine.num_engines=4"), nodes=8,
+             gpus_per_node=8)
