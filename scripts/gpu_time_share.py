@@ -1,16 +1,18 @@
 """Time-shared colocation on a GPU, the trainer's side: between Adam steps a policy moves its
 parameters, gradient buffers and optimizer state to pinned host memory and back in place
 (PolicyActor.offload/onload, megatron/offload.py), as rl/time_share.py does around every
-rollout, while an identical policy that never moves trains next to it.
+rollout, while two identical policies that never move train next to it (fp32).
 
     python scripts/gpu_time_share.py --json out.json     # on a CUDA machine (about a minute)
 
 Reports, per move: the bytes moved, the GPU memory it freed (torch.cuda.memory_allocated
 before and after), the copy rates in GB/s each way (rl/projection.py assumes SWAP_GIB_PER_S per
 GPU), the planner's parameters + gradients + optimizer state for the same shape
-(megatron/memory.py) beside the bytes moved, and the largest parameter difference from the
-policy that never moved after three steps (0 when the round trip is exact). Exit 0 when the
-storages were emptied, the memory came free and training matched bit for bit.
+(megatron/memory.py) beside the bytes moved, and the largest parameter difference from a
+policy that never moved after three steps, next to the difference between the two that never
+moved (the GPU's run-to-run noise: MoE backward accumulates with atomics). Exit 0 when the
+storages were emptied, the memory came free and came back, and the moved policy is within
+that noise.
 """
 from __future__ import annotations
 
@@ -42,15 +44,18 @@ def measure() -> dict:
     arch, parallel = ModelArch.from_hf_dir(hf_dir), ParallelConfig()
     init_parallel(parallel, arch)
     optim = OptimConfig(lr=1e-4, clip_grad=1.0)
-    still, moving = (PolicyActor(name, arch, parallel, optim, hf_dir=str(hf_dir), dtype=torch.bfloat16)
-                     for name in ("still", "moving"))
+    # fp32, so that a round trip that loses anything (Adam moments: ~lr per step) stands out from
+    # the GPU's own run-to-run noise (MoE backward accumulates with atomics), which the pair of
+    # policies that never move measures
+    still, twin, moving = (PolicyActor(name, arch, parallel, optim, hf_dir=str(hf_dir), dtype=torch.float32)
+                           for name in ("still", "twin", "moving"))
     gen = torch.Generator().manual_seed(0)
     moves = []
     for step in range(STEPS):
         seqs = [Sequence(prompt_ids=torch.randint(0, arch.vocab_size, (64,), generator=gen).tolist(),
                          response_ids=torch.randint(0, arch.vocab_size, (192,), generator=gen).tolist(),
                          advantage=float(torch.randn((), generator=gen)), reward=0.0) for _ in range(8)]
-        for actor in (still, moving):
+        for actor in (still, twin, moving):
             actor.train_micro_batch(pack_sequences(seqs), lambda logp, ent, b: (-logp.mean(), {}), with_entropy=False)
             actor.finish_step(grad_scale=1.0, max_grad_norm=None)
         if step == STEPS - 1:
@@ -69,13 +74,17 @@ def measure() -> dict:
         torch.cuda.synchronize()
         moves.append({"state_bytes": state, "params_bytes": params, "restored_bytes": back,
                       "freed_bytes": before - after, "emptied": emptied,
-                      "allocated_back": torch.cuda.memory_allocated() == before,
+                      "allocated_back_minus_before": torch.cuda.memory_allocated() - before,
                       "offload_s": out_s, "onload_s": in_s,
                       "offload_gb_per_s": (state + params) / out_s / 1e9, "onload_gb_per_s": back / in_s / 1e9})
-    diff = max(float((a.detach().float() - b.detach().float()).abs().max())
-               for a, b in zip(still.model.parameters(), moving.model.parameters()))
-    est = estimate_memory(arch, parallel, MemoryConfig(world_size=1, micro_batch_tokens=2048, param_bytes=2))
-    return {"device": torch.cuda.get_device_name(0), "model": est.model, "moves": moves, "max_param_diff": diff,
+
+    def max_diff(a, b):
+        return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a.model.parameters(),
+                                                                              b.model.parameters()))
+
+    est = estimate_memory(arch, parallel, MemoryConfig(world_size=1, micro_batch_tokens=2048, param_bytes=4))
+    return {"device": torch.cuda.get_device_name(0), "model": est.model, "dtype": "float32", "moves": moves,
+            "max_param_diff": max_diff(still, moving), "noise_param_diff": max_diff(still, twin),
             "planner_state_gib": est.params_gib + est.grads_gib + est.optimizer_gib,
             "moved_gib": (moves[0]["state_bytes"] + moves[0]["params_bytes"]) / GIB}
 
@@ -96,12 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
-    ok = result["max_param_diff"] == 0.0 and all(
-        m["emptied"] and m["allocated_back"] and m["freed_bytes"] >= 0.9 * (m["state_bytes"] + m["params_bytes"])
-        for m in result["moves"])
+    # exact, or within the GPU's own noise (the policies that never moved differ by it too)
+    exact = result["max_param_diff"] <= 2 * result["noise_param_diff"] + 1e-7
+    ok = exact and all(m["emptied"] and m["freed_bytes"] >= 0.9 * (m["state_bytes"] + m["params_bytes"])
+                       and abs(m["allocated_back_minus_before"]) <= 0.01 * m["restored_bytes"]
+                       for m in result["moves"])
     print(f"gpu_time_share: moved {result['moved_gib']:.2f} GiB (planner: {result['planner_state_gib']:.2f}), "
           f"freed {result['moves'][0]['freed_bytes'] / GIB:.2f} GiB, out {result['moves'][0]['offload_gb_per_s']:.1f} "
           f"GB/s, in {result['moves'][0]['onload_gb_per_s']:.1f} GB/s, max param diff {result['max_param_diff']:.3g} "
+          f"(two policies that never moved: {result['noise_param_diff']:.3g}) "
           f"-> {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 

@@ -44,7 +44,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # Growable allocator segments: micro-batches change shape every round (rows x longest), which
 # fragments fixed-size blocks (the dry run keeps a 6 GiB reserve for what is left). The SGLang
-# servers rank 0 starts inherit it. Not yet run on GPU: the weight sync hands CUDA IPC handles of
+# servers each node starts inherit it. Not yet run on GPU: the weight sync hands CUDA IPC handles of
 # the trainer's buckets to the servers, which takes another IPC path for these segments; if the
 # first sync fails, export PYTORCH_CUDA_ALLOC_CONF= (empty) before launching.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}

@@ -1,12 +1,13 @@
 """Megatron -> rollout engine weight sync, and the train/rollout log-prob mismatch probe.
 
 Both are collective over the training ranks: every rank runs the export (TP/EP gathers, PP/EP
-sends inside export_hf_buckets) and only rank 0, which holds the engines, receives and applies
-buckets.
+sends inside export_hf_buckets) and only rank 0, which holds the engine pools (its own node's
+engines and the other nodes'), receives and applies buckets.
 Memory beyond the model stays at one bucket plus one gathered tensor.
 
 This is the Megatron side; an engine is anything with the RolloutEngine methods it calls
-(``update_weights``, ``score``, ``read_weights``), so nothing here imports rollout/. The
+(``update_weights``, ``score``, ``read_weights``; a pool's ``score_each``), so nothing here
+imports rollout/. The
 engine side of the disaggregated broadcast is rollout/weight_sync.py.
 """
 from __future__ import annotations
@@ -66,26 +67,29 @@ def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list
       less than the log-probs show, e.g. bf16 at lr 1e-6). Engines that cannot read weights
       back (SGLang's Qwen models) report None and are checked by the probe alone; FP8 engines
       hold other values by design (``readback=False``).
-    - probe: the mean |engine - Megatron| log-prob over the ``probe`` tokens (temperature 1),
-      scored by every usable engine of a pool, must stay within ``tolerance`` (catches wrong tensors; a robust statistic, so one
-      token's rounding cannot trip it).
+    - probe: the mean |engine - Megatron| log-prob over the ``probe`` tokens (temperature 1)
+      must stay within ``tolerance`` for every usable engine of a pool, each on its own (catches
+      wrong tensors, or an engine the update did not reach; a robust statistic, so one token's
+      rounding cannot trip it).
 
     Raises :class:`WeightSyncError`. Returns the sync figures plus ``mismatch``
-    (mean/max/tokens) and ``readback`` (tensors compared, None when the engine cannot)."""
+    (mean/max/tokens of the engine that differs most) and ``readback`` (tensors compared, None
+    when the engine cannot)."""
     names = readback_names(arch) if readback and engine is not None else []
     sent = dict.fromkeys(names)
     report = sync_weights(model, arch, engine, version=version, bucket_bytes=bucket_bytes, keep=sent)
     report["readback"] = _check_readback(engine, sent, version) if names else None
+    each = None
     if engine is not None:  # a pool's engines each score the probe (other nodes' take weights another way)
         each = engine.score_each(probe) if hasattr(engine, "score_each") else [engine.score(probe)]
-        probe, scored = probe * len(each), [lp for scores in each for lp in scores]
-    else:
-        scored = None
-    report["mismatch"] = logprob_mismatch(model, probe, scored)
+    mismatches = [logprob_mismatch(model, probe, scored) for scored in _share(each) or ()]
+    worst = max(range(len(mismatches)), key=lambda i: mismatches[i]["mean"])
+    report["mismatch"] = mismatches[worst]
     if report["mismatch"]["mean"] > tolerance:
-        raise WeightSyncError(f"after syncing weight version {version} the engine's log-probs differ from "
+        which = f"engine {worst} of {len(mismatches)}" if len(mismatches) > 1 else "the engine"
+        raise WeightSyncError(f"after syncing weight version {version} the log-probs of {which} differ from "
                               f"Megatron's by {report['mismatch']['mean']:.3g} on average (tolerance {tolerance}); "
-                              "check that the engine knows every exported tensor name")
+                              "check that the engine knows every exported tensor name and that the update reached it")
     return report
 
 

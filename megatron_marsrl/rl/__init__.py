@@ -8,6 +8,7 @@ recipes.py           named recipes returning a full TrainConfig (recipes_qwen3.p
 overrides.py         command-line / YAML overrides of config fields
 data.py              training and evaluation problems: JSONL files, the arithmetic task, the stream
 rollout_side.py      rank 0's engines, agents and evaluation
+node_engines.py      the SGLang servers of the other nodes, reached by rank 0 over HTTP
 rollout_driver.py    the agents' rollouts in a background thread, handed over group by group
 rollout_metrics.py   per-role statistics of a step's samples
 train_metrics.py     train metrics with the weight of each micro-batch's value

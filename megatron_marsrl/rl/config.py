@@ -260,6 +260,9 @@ class TrainConfig:
         if self.policy.mini_batch_sequences is not None and self.loss.old_logprobs != "rollout":
             raise ValueError("policy.mini_batch_sequences needs loss.old_logprobs=rollout: after the step's first "
                              "update the trainer's own log-probs are no longer those of the policy that generated")
+        if self.pipeline.time_shared and self.engine.placement == "split":
+            raise ValueError("pipeline.time_shared with engine.placement=split: split engines have GPUs of their own, "
+                             "so there is nothing to time-share; use one or the other")
         if self.pipeline.time_shared and self.scheduler.overlap:
             raise ValueError("pipeline.time_shared needs scheduler.overlap=false: training and generation take "
                              "turns on the GPU, so nothing trains while the engines generate")

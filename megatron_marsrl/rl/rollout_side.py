@@ -1,4 +1,5 @@
-"""Rank 0's rollout side of a run: engines, the agents and their data, evaluation.
+"""Rank 0's rollout side of a run: engines (its node's, plus the other nodes' SGLang servers
+attached by URL: rl/node_engines.py), the agents and their data, evaluation.
 
 Everything here is on the agents' side of the boundary (no Megatron import): the trainer
 gets finished groups from `driver`, and pushes weights into `pools`.

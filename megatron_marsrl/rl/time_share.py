@@ -60,7 +60,7 @@ class TimeShare:
     def to_training(self) -> None:
         """After the rollout: the engines free their memory, then the trainer comes back."""
         self._engines("release_memory", MEMORY_TAGS)
-        dist.barrier(group=self.group)  # every engine of the node has let go before anyone loads
+        dist.barrier(group=self.group)  # every engine of the run has let go before anyone loads
         self._trainer("onload", ("params", "state"))
         self._log("to_training", "engines released weights, KV cache, CUDA graphs; trainer back on the GPU")
 

@@ -1,8 +1,9 @@
 """The parts of an RL step, wired together: what `loop.train` calls by name.
 
 Process roles: every rank holds its shard of each policy (Megatron); rank 0 additionally
-owns the rollout engines, the agents (in a background thread, `RolloutDriver`), the
-micro-batch scheduler, TensorBoard and the console. Rank 0 broadcasts each training round
+owns the rollout engine pools (its node's engines, and the SGLang servers the first rank of
+every other node starts: rl/node_engines.py), the agents (in a background thread,
+`RolloutDriver`), the micro-batch scheduler, TensorBoard and the console. Rank 0 broadcasts each training round
 (one micro-batch per data-parallel rank, one policy) on a control group; the other ranks
 follow, so every collective inside Megatron runs in the same order everywhere.
 """
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Holds the policies (all ranks) and the rollout side (rank 0) of one run."""
+    """Holds the policies (all ranks), the rollout side (rank 0) and a node's SGLang servers
+    (the first rank of every other node) of one run."""
 
     def __init__(self, config: TrainConfig, *, resume: bool = False):
         self.config = config
@@ -67,21 +69,12 @@ class Trainer:
         # ~1e-2 on average, FP8 rollout (engine.quantization) differs by design and is watched
         # through train/mismatch_* instead. The bit-for-bit read-back catches a sync that did nothing.
         self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.1) if not config.engine.quantization else 5.0
-        self.rollout = None
-        self.node_engines = NodeEngines(config, str(self.hf_dir), where) \
-            if spreads(config, where) and where.node > 0 and where.local_rank == 0 else None
-        if self.rank == 0:
-            # An in-process engine (SGLang's CPU path) samples in the rollout thread through
-            # torch's global CPU RNG; Megatron's RNG tracker notices the change on every forward
-            # and warns. Training draws no random numbers (no dropout): nothing to learn from it.
-            logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
-            from megatron_marsrl.rl.rollout_side import RolloutSide
-
-            self.rollout = RolloutSide(config, str(self.hf_dir))
-        if spreads(config, where):  # every node's engines serve rank 0's pools
-            remote = gather_remote(self.control, self.node_engines)
-            if self.rollout is not None:
-                self.rollout.attach_remote(remote, str(self.hf_dir))
+        self.rollout = self.node_engines = None
+        try:
+            self._start_engines(where)
+        except BaseException:
+            self.close()
+            raise
         self.start_step = 0
         self._policy_entropy: dict[str, float] = {}
         """Each policy's mean token entropy in the last step trained (all ranks): DMMPT's gate."""
@@ -106,6 +99,26 @@ class Trainer:
             self._save_config()
 
     # ---- set-up -----------------------------------------------------------------------
+    def _start_engines(self, where: NodeRank) -> None:
+        """Rank 0: its node's engines, the agents and the driver (RolloutSide); the first rank
+        of every other node: that node's SGLang servers (NodeEngines), which rank 0's pools
+        then reach over HTTP."""
+        config = self.config
+        if spreads(config, where) and where.node > 0 and where.local_rank == 0:
+            self.node_engines = NodeEngines(config, str(self.hf_dir), where)
+        if self.rank == 0:
+            # An in-process engine (SGLang's CPU path) samples in the rollout thread through
+            # torch's global CPU RNG; Megatron's RNG tracker notices the change on every forward
+            # and warns. Training draws no random numbers (no dropout): nothing to learn from it.
+            logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+            from megatron_marsrl.rl.rollout_side import RolloutSide
+
+            self.rollout = RolloutSide(config, str(self.hf_dir))
+        if spreads(config, where):  # every node's engines serve rank 0's pools
+            remote = gather_remote(self.control, self.node_engines)
+            if self.rollout is not None:
+                self.rollout.attach_remote(remote, str(self.hf_dir))
+
     def _initial_model(self) -> Path:
         """The HF checkpoint training starts from: model.path, or one rank 0 writes to
         run_dir/initial_model (the embedded task's tiny model, or a GGUF file converted)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import threading
 
@@ -66,6 +67,7 @@ class EnginePool:
         self._per_engine = max(1, max_concurrency // len(engines))
         self._sem = asyncio.Semaphore(max_concurrency)
         self._sender = None  # the broadcast group, built on the first update that needs it
+        self._groups = itertools.count()  # a new name for every broadcast group built
         self.timeout = timeout or GenerationTimeout()
         self.max_attempts = max_attempts
         self.wait_for_engine = wait_for_engine
@@ -82,8 +84,8 @@ class EnginePool:
         return [slot.served for slot in self._slots]
 
     def add_engines(self, engines: list, *, by_broadcast: bool) -> None:
-        """Engines that joined after the pool was built (other nodes' servers); before any
-        request, on the thread that owns the pool. They take part from the next weight update."""
+        """Engines that joined after the pool was built (other nodes' servers); before the first
+        request (the concurrency limit is replaced). They take part from the next weight update."""
         self._slots += [_Slot(e, by_broadcast=by_broadcast) for e in engines]
         self._sem = asyncio.Semaphore(self._per_engine * len(self._slots))
 
@@ -208,13 +210,13 @@ class EnginePool:
 
     def _broadcast_sender(self, servers: list):
         """The weight-broadcast group over ``servers``, rebuilt when they changed (an engine
-        restarted on a new port joins a new group)."""
+        restarted on a new port, or one lost, makes a new group; the old one is left idle)."""
         from megatron_marsrl.rollout.weight_sync import DistributedWeightSender
 
         if not servers:
             return None
         if self._sender is None or [s.url for s in self._sender.servers] != [s.url for s in servers]:
-            self._sender = DistributedWeightSender(servers, group_name=f"marsrl_weights_{id(self)}_{self.version}")
+            self._sender = DistributedWeightSender(servers, group_name=f"marsrl_weights_{id(self)}_{next(self._groups)}")
         return self._sender
 
     def release_memory(self, tags: tuple[str, ...]) -> int:

@@ -165,13 +165,16 @@ class SGLangServer:
         self.weight_version = 0
         self.attached = False
         """A server another process started and owns (`attach`): this object only talks to it."""
+        self._lost = False
+        """An attached server stopped answering (it is not restarted from here)."""
         self._senders = None  # a thread per concurrent HTTP generate call, created on first use
 
     @classmethod
     def attach(cls, config: SGLangServerConfig, url: str) -> "SGLangServer":
         """A client of a running server that another process (another node's trainer rank)
         started with ``config``: it generates and takes weight updates, but never stops or
-        restarts the process (its owner does); it counts as alive while it answers."""
+        restarts the process (its owner does); it counts as alive until a request cannot
+        reach it."""
         server = cls(config)
         server.url, server.attached = url.rstrip("/"), True
         if not server.healthy(timeout=60.0):
@@ -246,9 +249,11 @@ class SGLangServer:
             return False
 
     def alive(self) -> bool:
-        """The process runs (for an attached server: assumed; a lost one fails its requests,
-        which the pool retries on other engines)."""
-        return self.attached or (self.proc is not None and self.proc.poll() is None)
+        """The process runs; an attached server, until a request could not reach it (from then
+        on the pool leaves it out of requests and weight syncs)."""
+        if self.attached:
+            return not self._lost
+        return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -299,6 +304,8 @@ class SGLangServer:
                 raise ValueError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from exc
             raise EngineError(f"{self.url}{path}: HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, OSError) as exc:
+            slow = isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError)
+            self._lost = self._lost or (self.attached and not slow)  # unreachable, not merely slow
             raise ConnectionError(f"{self.url}{path}: {exc}") from exc
         try:
             return json.loads(body) if body else {}

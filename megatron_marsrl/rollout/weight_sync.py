@@ -22,7 +22,7 @@ class DistributedWeightSender:
     def __init__(self, servers: list, *, master_address: str | None = None, master_port: int = 0,
                  backend: str | None = None, group_name: str = "marsrl_weights"):
         """``master_address``: where the servers reach this rank (default: this machine's address
-        on the route to the first server, 127.0.0.1 for servers on loopback)."""
+        on the route to the first server on another machine, 127.0.0.1 when all are on this one)."""
         from concurrent.futures import ThreadPoolExecutor
         from urllib.parse import urlsplit
 
@@ -31,7 +31,8 @@ class DistributedWeightSender:
         from megatron_marsrl.net import route_address
 
         self.servers, self.group_name = servers, group_name
-        master_address = master_address or route_address(urlsplit(servers[0].url).hostname)
+        away = [h for h in (urlsplit(s.url).hostname for s in servers) if not _on_this_machine(h)]
+        master_address = master_address or (route_address(away[0]) if away else "127.0.0.1")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         master_port = master_port or free_port(master_address)
         world = 1 + sum(s.config.tp_size for s in servers)
@@ -70,3 +71,11 @@ class DistributedWeightSender:
             server.weight_version = version
         seconds = time.perf_counter() - start
         return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
+
+
+def _on_this_machine(host: str) -> bool:
+    """A server URL's host that names this machine: loopback, or the wildcard a server bound to
+    every interface is reached through locally."""
+    from megatron_marsrl.rollout.sglang_server import is_loopback
+
+    return is_loopback(host) or host in ("0.0.0.0", "::")

@@ -119,6 +119,37 @@ def test_bad_requests_are_not_retried(hf_engines):
     assert engine.calls == 1
 
 
+def test_an_attached_server_that_stops_answering_leaves_the_pool(tiny_hf, tmp_path):
+    """Another node's server (attached by URL, never restarted from here): unreachable at attach
+    time is an error naming the URL; unreachable later, it stops counting as alive, so requests
+    and weight syncs leave it out. A slow answer does not count as lost."""
+    import socket
+    import urllib.error
+
+    from megatron_marsrl.net import free_port
+    from megatron_marsrl.rollout.sglang_server import EngineStartError, SGLangServer, SGLangServerConfig
+
+    config = SGLangServerConfig(model_path=tiny_hf("qwen3"), log_dir=str(tmp_path))
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(EngineStartError, match=f"{url} does not answer"):
+        SGLangServer.attach(config, url)
+    server = SGLangServer(config)
+    server.url, server.attached = url, True
+    assert server.alive()
+    import unittest.mock as mock
+
+    with mock.patch("urllib.request.urlopen", side_effect=urllib.error.URLError(socket.timeout("timed out"))):
+        with pytest.raises(ConnectionError):
+            server.generate([EngineRequest(prompt_ids=[1], sampling=EngineSampling(max_new_tokens=1))])
+    assert server.alive()  # slow is not lost
+    with pytest.raises(ConnectionError):
+        server.generate([EngineRequest(prompt_ids=[1], sampling=EngineSampling(max_new_tokens=1))])
+    assert not server.alive()
+    pool = EnginePool([server])
+    assert pool.update_weights([[("w", None)]], version=1) == 0  # nothing live to send to
+    server.shutdown()  # an attached server's process is not ours: nothing to stop
+
+
 @pytest.mark.slow
 def test_sglang_server_rejects_bad_requests_without_retry_and_bad_model_path(tiny_hf, tmp_path):
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
