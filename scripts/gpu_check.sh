@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh                   # there, in the checkout; figures in $OUT
 #   bash scripts/gpu_check.sh --plan            # the stages and budgets; runs nothing
 #   bash scripts/gpu_check.sh --only rl         # setup + the named stages (parity,rl,calibrate,timeshare)
+#   RL_OVERRIDES="pipeline.time_shared=true scheduler.overlap=false" bash scripts/gpu_check.sh --only rl
 #
 # Stages, each under `timeout` (budgets in STAGES below; with the kill grace they stay < 560 s):
 #   setup      unpack the wheels, record versions, GPU, compilers (env.json)
@@ -139,13 +140,19 @@ stage_rl() {
     task.tiny_model.num_experts=16 task.tiny_model.num_experts_per_tok=4
     task.tiny_model.moe_intermediate_size=256 task.tiny_model.intermediate_size=1024)
   local args=() kv
-  for kv in "${shape[@]}" model.dtype=bfloat16 parallel.ep=1 engine.kind=hf; do args+=(--override "$kv"); done
+  # RL_OVERRIDES: more config overrides, e.g. "pipeline.time_shared=true scheduler.overlap=false"
+  for kv in "${shape[@]}" model.dtype=bfloat16 parallel.ep=1 engine.kind=hf ${RL_OVERRIDES:-}; do
+    args+=(--override "$kv")
+  done
   # Megatron's fused SwiGLU / bias-dropout functions go through torch.compile on GPU; every new
   # packed length can recompile them, which would eat the budget. The parity stage compiles them
   # (and so checks that this machine can); here and in calibrate they run eagerly (same
   # autograd functions, so the same saved activations).
   TORCH_COMPILE_DISABLE=1 "$PYTHON" -m megatron_marsrl.cli bench throughput --recipe tiny_arithmetic \
     --steps 4 --nproc-per-node 1 "${args[@]}" --output-dir "$WORK/rl" --json "$OUT/throughput.json"
+  local rc=$?
+  find "$WORK/rl" -name train.log -exec cp {} "$OUT/rl_train.log" \;  # the run's own log, phases included
+  return $rc
 }
 
 stage_calibrate() {
