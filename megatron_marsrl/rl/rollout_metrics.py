@@ -2,6 +2,7 @@
 
     {role}/reward_mean, {role}/accuracy (reward >= 0.5), {role}/response_len, {role}/samples,
     {role}/advantage_mean, {role}/advantage_std, {role}/advantage_abs_mean, {role}/parse_fail
+    {role}/truncated_fraction             outputs that hit the token limit (finish reason "length")
     {role}/zero_std_group_fraction        groups of >= 2 samples with one reward: no signal
     {role}/advantage_second_moment        mean A^2 over the role's samples: Dr. MAS's measure of
                                           how large the role's gradients are (~1 per role when
@@ -47,6 +48,7 @@ def role_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         out[f"{role}/reward_mean"] = _mean(rewards)
         out[f"{role}/accuracy"] = _mean([1.0 if r >= 0.5 else 0.0 for r in rewards])
         out[f"{role}/response_len"] = _mean([len(s.response_token_ids or []) for s in group])
+        out[f"{role}/truncated_fraction"] = _mean([1.0 if s.finish_reason == "length" else 0.0 for s in group])
         out[f"{role}/parse_fail"] = _mean([1.0 if s.parse_status.is_failure else 0.0 for s in group])
         adv = [s.advantage for s in group if s.advantage is not None]
         if adv:

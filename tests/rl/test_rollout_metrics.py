@@ -71,3 +71,10 @@ def test_verifier_balanced_accuracy_gives_a_constant_verdict_one_half():
     assert out["verifier/balanced_accuracy"] == pytest.approx((0.5 + 2 / 4) / 2)
     assert out["verifier/recall"] == pytest.approx(2 / 3)  # parsed verdicts only, as before
     assert "verifier/balanced_accuracy" not in role_metrics([_review(0, True, "correct")])  # one class only
+
+
+def test_truncated_fraction_counts_outputs_that_hit_the_token_limit():
+    samples = [_sample(i, "solver", 0.0, None) for i in range(4)]
+    for s, reason in zip(samples, ("length", "stop", "length", "")):
+        s.finish_reason = reason
+    assert role_metrics(samples)["solver/truncated_fraction"] == 0.5
