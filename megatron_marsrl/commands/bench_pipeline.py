@@ -4,11 +4,13 @@ the overlapping micro-batch scheduler.
     marsrl bench pipeline --simulate                        # 64 x H100, Qwen3-30B-A3B, MarsRL recipe
     marsrl bench pipeline --simulate --rollout-gpus 40 --segment-tokens 0 --json out.json
     marsrl bench pipeline --simulate --set length_sigma=1.5 --set continue_fraction=0.6
-    marsrl bench pipeline --steps 6                          # measured: tiny_arithmetic, 3 modes
+    marsrl bench pipeline --steps 6                          # measured: tiny_arithmetic, 3 modes + prediction
 
 --simulate projects the figures with the discrete-event model of megatron_marsrl.rl.simulate
 (every assumption is a SimConfig field: the flags below set the main ones, --set any of them).
-Without --simulate the real pipeline is measured (megatron_marsrl.rl.bench_real).
+Without --simulate the real pipeline is measured (megatron_marsrl.rl.bench_real) in the
+simulator's three modes, and the simulator, calibrated on the measured sync run
+(megatron_marsrl.rl.sim_calibrate), predicts each: printed side by side with the error.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def add_arguments(parser) -> None:
     sim.add_argument("--separate-policies", action="store_true", help="one policy per role instead of a shared one")
     sim.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="set any SimConfig field (repeatable), e.g. --set continue_fraction=0.6")
-    real = parser.add_argument_group("measured (default)")
+    real = parser.add_argument_group("measured (default): sync, pipeline, pipeline+overlap, each next to the "
+                                     "simulator's prediction (calibrated on the sync run)")
     real.add_argument("--recipe", default="tiny_arithmetic", help="recipe every mode trains (default tiny_arithmetic)")
     real.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                       help="train config override applied to every mode (repeatable)")

@@ -20,6 +20,7 @@ time_share.py        time-shared colocation: trainer offload and engine memory r
 dry_run.py           `marsrl train --dry-run`: layout and memory checks without a GPU
 simulate.py          projected step time of the synchronous and agentic-pipeline schedules
 projection.py        the dry run's step time of every mode x placement that fits memory
+sim_calibrate.py     the simulator's rates fitted to a measured run, its step times predicted
 bench_real.py        the measured half of `marsrl bench pipeline`
 bench_throughput.py  `marsrl bench throughput`: one end-to-end RL step benchmark
 

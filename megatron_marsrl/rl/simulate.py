@@ -22,7 +22,11 @@ Model, every assumption a `SimConfig` field:
   * Output lengths: lognormal with shape `length_sigma`, clipped at `max_tokens` (clipped =
     truncated outputs), its location solved so the clipped mean is `mean_tokens`.
   * Rollout: engines of `gpus_per_engine` GPUs, each decoding up to `engine_concurrency`
-    sequences at `decode_tokens_per_s` tokens/s each; requests wait FIFO for a free slot.
+    sequences. `engine_batching="continuous"` (SGLang): each sequence decodes at
+    `decode_tokens_per_s` tokens/s and requests wait FIFO for a free slot. "static" (the
+    embedded engine's batcher): an engine runs one batch at a time, made of the requests
+    waiting when it starts; every row steps until the batch's longest output is done, and
+    the batch's row-tokens are decoded at `engine_tokens_per_s` (compute-bound, as on CPU).
     Prefill time and KV-cache pressure below the concurrency cap are ignored.
   * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
     scheduler in lockstep; a round lasts its largest micro-batch's tokens (sequences packed
@@ -30,9 +34,9 @@ Model, every assumption a `SimConfig` field:
     long-context attention cost is folded into the rate).
   * Placement: colocated by default (every GPU hosts an engine and trains, as MarsRL runs):
     decoding keeps priority and training gets the GPU share it leaves (`colocated_decode_floor`
-    whenever anything decodes, plus the busy-slot share), so overlap only fills the rollout's
-    tail; both states are assumed to fit in memory (lower `engine_concurrency` for a smaller
-    KV cache). With `engine_gpus` set, only those GPUs host engines (all GPUs train). With
+    whenever anything decodes, plus the busy share: of the slots, or of the engines running a
+    static batch), so overlap only fills the rollout's tail; both states are assumed to fit in
+    memory (lower `engine_concurrency` for a smaller KV cache). With `engine_gpus` set, only those GPUs host engines (all GPUs train). With
     `rollout_gpus` set, those GPUs only generate and the others only train.
   * A trajectory continues after a Verifier stage with probability `continue_fraction` (the
     Corrector only gets verifier outputs that flagged an error).
@@ -54,6 +58,7 @@ from dataclasses import dataclass, field
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, SchedulerConfig, SeqItem
 
 MODES = ("sync", "pipeline", "pipeline+overlap")
+ENGINE_BATCHING = ("continuous", "static")
 
 
 @dataclass(kw_only=True)
@@ -109,6 +114,13 @@ class SimConfig:
     decode_tokens_per_s: float = 50.0
     """Decode speed of one sequence at full concurrency (3B active parameters; memory-bound
     steps of ~20 ms reading weights and long KV caches): ~1600 tokens/s per GPU."""
+    engine_batching: str = "continuous"
+    """"continuous": SGLang's scheduler (slots that free and refill one sequence at a time);
+    "static": one batch at a time, each lasting its longest output (the embedded engine)."""
+    engine_tokens_per_s: float = 10000.0
+    """Static batching only: tokens/s one engine decodes over a batch's rows (finished rows
+    keep stepping until the batch ends, so a batch of n rows whose longest output is L takes
+    n x L / engine_tokens_per_s)."""
     train_gpus_per_replica: int = 8
     """GPUs per data-parallel training replica (EP=8 inside a node)."""
     train_tokens_per_s_per_gpu: float = 4000.0
@@ -121,7 +133,8 @@ class SimConfig:
     colocated_decode_floor: float = 0.25
     """Colocated only: share of the GPUs that decoding takes whenever any sequence decodes (the
     weights are read at every decode step, ~5 of a ~20 ms full-batch step); the rest grows with
-    the busy slots. Training gets what decoding leaves (decoding keeps priority)."""
+    the busy slots (static batching: the engines running a batch). Training gets what decoding
+    leaves (decoding keeps priority)."""
     separate_policies: bool = False
     """One policy per role (rounds of one policy each) instead of one shared model."""
 
@@ -130,7 +143,9 @@ class SimConfig:
                      "max_tokens", "num_gpus", "gpus_per_engine", "engine_concurrency", "train_gpus_per_replica",
                      "token_budget"):
             _positive_int(name, getattr(self, name))
-        for name in ("decode_tokens_per_s", "train_tokens_per_s_per_gpu"):
+        if self.engine_batching not in ENGINE_BATCHING:
+            raise ValueError(f"engine_batching={self.engine_batching!r}: use one of {', '.join(ENGINE_BATCHING)}")
+        for name in ("decode_tokens_per_s", "engine_tokens_per_s", "train_tokens_per_s_per_gpu"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be > 0")
         if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
@@ -177,6 +192,13 @@ class SimConfig:
     def rollout_slots(self) -> int:
         """Sequences the whole rollout decodes at once."""
         return self.generation_gpus // self.gpus_per_engine * self.engine_concurrency
+
+    @property
+    def rollout_tokens_per_s(self) -> float:
+        """Tokens/s the whole rollout decodes when every engine is busy."""
+        if self.engine_batching == "static":
+            return self.generation_gpus // self.gpus_per_engine * self.engine_tokens_per_s
+        return self.rollout_slots * self.decode_tokens_per_s
 
     @property
     def pipeline_warmup_steps(self) -> int:
@@ -245,6 +267,19 @@ class LengthModel:
             return float(self.mean_tokens >= self.max_tokens)
         return 1.0 - _phi((math.log(self.max_tokens) - self.mu) / self.sigma)
 
+    @classmethod
+    def fit(cls, *, mean_tokens: float, max_tokens: int, truncated_fraction: float) -> LengthModel:
+        """The model with this clipped mean that truncates this share of the outputs (as
+        measured): the shape is searched on a grid of 0.01 steps up to 6, the closest wins.
+        Outputs that never hit the cap fit no lognormal shape: the narrowest (0.01) is used."""
+        if not 0.0 <= truncated_fraction <= 1.0:
+            raise ValueError(f"truncated_fraction={truncated_fraction}: must be within [0, 1]")
+        mean_tokens = min(mean_tokens, max_tokens)
+        if mean_tokens >= max_tokens:
+            return cls(mean_tokens=max_tokens, max_tokens=max_tokens, sigma=0.0)
+        fits = (cls(mean_tokens=mean_tokens, max_tokens=max_tokens, sigma=k / 100) for k in range(1, 601))
+        return min(fits, key=lambda m: abs(m.truncated_fraction() - truncated_fraction))
+
     def sample(self, rng: random.Random) -> int:
         return min(self.max_tokens, max(1, round(rng.lognormvariate(self.mu, self.sigma))))
 
@@ -257,6 +292,8 @@ class ModeResult:
     """"sync", "pipeline" or "pipeline+overlap"."""
     step_s: list[float]
     """Every measured step's time in seconds."""
+    rollout_s: list[float]
+    """Every measured step's rollout time (until its last sample is generated)."""
     median_step_s: float
     """Median step time."""
     median_rollout_s: float
@@ -268,7 +305,8 @@ class ModeResult:
     train_idle_fraction: float
     """Share of training GPU-time not training (waiting for data, lockstep, weight sync)."""
     rollout_idle_fraction: float
-    """Share of rollout slot-time not decoding (tails, training phases, weight sync)."""
+    """Share of the rollout's decode capacity unused (tails, padded rows of static batches,
+    training phases, weight sync)."""
     overlapped_rounds_fraction: float
     """Share of training rounds released while the rollout still ran."""
 
@@ -340,13 +378,14 @@ class _Trajectory:
 
 @dataclass(kw_only=True)
 class _Step:
-    """One simulated step: its rollout (end, tokens decoded, when rounds were released, busy
-    slots over time as change points), then its training and total time."""
+    """One simulated step: its rollout (end, tokens decoded, when rounds were released, the
+    busy share of the rollout capacity over time as change points), then its training and
+    total time."""
 
     end: float = 0.0
     decoded: int = 0
     releases: list[tuple[float, list]] = field(default_factory=list)
-    busy: list[tuple[float, int]] = field(default_factory=list)
+    busy: list[tuple[float, float]] = field(default_factory=list)
     time: float = 0.0
     samples: int = 0
     tokens: int = 0
@@ -362,8 +401,8 @@ class _Trainer:
         self.rate = cfg.train_tokens_per_s_per_gpu * cfg.train_gpus_per_replica
         self.free, self.samples, self.tokens = 0.0, 0, 0
         if cfg.colocated:
-            floor, slots = cfg.colocated_decode_floor, cfg.rollout_slots
-            self.share = [(t, 1.0 - (floor + (1 - floor) * n / slots if n else 0.0)) for t, n in rollout.busy]
+            floor = cfg.colocated_decode_floor
+            self.share = [(t, 1.0 - (floor + (1 - floor) * busy if busy else 0.0)) for t, busy in rollout.busy]
         else:
             self.share = [(0.0, 1.0)]
         self.share.append((rollout.end, 1.0))
@@ -392,28 +431,43 @@ def _generate(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_tra
               step: int, sched: MicroBatchScheduler, chain: bool, segment: int | None) -> _Step:
     """A FIFO multi-slot rollout over `open_trajs`' current stages; complete groups go to the
     scheduler as they finish. `chain` runs whole trajectories (sync mode)."""
-    rate, slots, out = cfg.decode_tokens_per_s, cfg.rollout_slots, _Step()
+    out = _Step()
     waiting: deque = deque((t, g, i) for t in open_trajs for g, row in enumerate(t.left)
                            for i, n in enumerate(row) if n)
-    running: list = []
-    now, order = 0.0, 0
-    while waiting or running:
-        while waiting and len(running) < slots:
-            traj, g, i = waiting.popleft()
-            n = traj.left[g][i] if segment is None else min(segment, traj.left[g][i])
-            heapq.heappush(running, (now + n / rate, order, traj, g, i, n))
-            order += 1
-        out.busy.append((now, len(running)))
-        now, _, traj, g, i, n = heapq.heappop(running)
+
+    def decoded(traj: _Trajectory, g: int, i: int, n: int, now: float) -> None:
+        """`n` more tokens of one sample are out at `now`: hand over its group once complete."""
         out.decoded += n
         traj.left[g][i] -= n
         if traj.left[g][i] or any(traj.left[g]):
-            continue
+            return
         sched.add_group(traj.items(cfg, g, step))
         out.releases.append((now, sched.pop_ready()))
         traj.groups_left -= 1
         if chain and traj.groups_left == 0 and traj.advance(cfg, lengths, rng):
             waiting.extend((traj, g2, i2) for g2, row in enumerate(traj.left) for i2 in range(len(row)))
+
+    def start(traj: _Trajectory, g: int, i: int) -> tuple:
+        return traj, g, i, traj.left[g][i] if segment is None else min(segment, traj.left[g][i])
+
+    now, order = 0.0, 0
+    running: list = []  # heap of (end, order, [samples]): sequences (continuous) or batches (static)
+    static = cfg.engine_batching == "static"
+    capacity = cfg.generation_gpus // cfg.gpus_per_engine if static else cfg.rollout_slots
+    while waiting or running:
+        while waiting and len(running) < capacity:
+            if static:
+                batch = [start(*waiting.popleft()) for _ in range(min(len(waiting), cfg.engine_concurrency))]
+                end = now + len(batch) * max(n for *_, n in batch) / cfg.engine_tokens_per_s
+            else:
+                batch = [start(*waiting.popleft())]
+                end = now + batch[0][3] / cfg.decode_tokens_per_s
+            heapq.heappush(running, (end, order, batch))
+            order += 1
+        out.busy.append((now, len(running) / capacity))
+        now, _, batch = heapq.heappop(running)
+        for sample in batch:
+            decoded(*sample, now)
     out.end = now
     return out
 
@@ -463,8 +517,8 @@ def _simulate_mode(cfg: SimConfig, mode: str) -> ModeResult:
 def _summarise(cfg: SimConfig, mode: str, stats: list[_Step]) -> ModeResult:
     total = sum(s.time for s in stats)
     train_capacity = cfg.train_tokens_per_s_per_gpu * cfg.training_gpus * total
-    rollout_capacity = cfg.decode_tokens_per_s * cfg.rollout_slots * total
-    return ModeResult(mode=mode, step_s=[s.time for s in stats],
+    rollout_capacity = cfg.rollout_tokens_per_s * total
+    return ModeResult(mode=mode, step_s=[s.time for s in stats], rollout_s=[s.end for s in stats],
                       median_step_s=statistics.median(s.time for s in stats),
                       median_rollout_s=statistics.median(s.end for s in stats),
                       samples_per_s=sum(s.samples for s in stats) / total,

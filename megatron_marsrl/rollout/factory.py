@@ -88,6 +88,19 @@ class RolloutEngineConfig:
                              f"than the {self.gpus_per_node} GPUs of a node")
 
 
+    @property
+    def batching(self) -> str:
+        """How an engine takes requests: "static" (one batch at a time behind
+        rollout/batcher.py, the in-process kinds) or "continuous" (SGLang's server scheduler)."""
+        return "continuous" if self.kind == "sglang_server" else "static"
+
+    @property
+    def batch_tokens(self) -> int:
+        """Static batching: the most prompt + max_new_tokens summed over one batch (as the
+        in-process engines size their batcher)."""
+        return max(self.max_batch_tokens, self.max_total_tokens) if self.kind == "hf" else self.max_total_tokens
+
+
 def _check_host(host: str) -> None:
     from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, is_loopback
 

@@ -1,5 +1,6 @@
 """The step-time simulator and `marsrl bench pipeline` (--simulate, and the measured mode with its runs stubbed)."""
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -135,35 +136,48 @@ def test_command_reports_bad_values(capsys):
     assert "group_size=0" in capsys.readouterr().err
 
 
-def test_measured_mode_trains_each_mode_and_reports_medians_and_speedups(tmp_path, monkeypatch, capsys):
-    # the training runs are stubbed: each mode gets three step records (first step already dropped)
+def test_measured_mode_trains_each_mode_and_reports_medians_speedups_and_calibrated_predictions(
+        tmp_path, monkeypatch, capsys):
+    # the training runs are stubbed: each gets three step records (first step already dropped)
     from megatron_marsrl.rl import bench_throughput
 
     calls = []
 
     def train_steps(recipe, overrides, run_dir, *, label):
         calls.append((recipe, overrides, Path(run_dir).name))
-        rate = 10.0 * len(calls)  # sync 10, sync+overlap 20, pipeline+overlap 30 (+1 median offset)
+        rate = 10.0 * len(calls)  # sync 10, pipeline 20, pipeline+overlap 30 (+1 median offset)
         return [{"throughput/samples_per_s": rate + k, "time/step": 2.0 + k, "time/train_idle_fraction": 0.1,
-                 "time/overlap_fraction": 0.5, "time/rollout": 1.0, "time/train": 1.0} for k in (0.0, 1.0, 5.0)]
+                 "time/overlap_fraction": 0.5, "time/rollout": 1.0, "time/train": 0.8, "time/rollout_and_train": 1.8,
+                 "tokens/generated": 300.0, "tokens/trained": 600.0, "world/train_gpus": 2.0, "world/rollout_gpus": 1.0,
+                 "rollout/solver/samples": 16.0, "rollout/solver/response_len": 10.0,
+                 "rollout/solver/truncated_fraction": 0.2, "rollout/verifier/samples": 16.0,
+                 "rollout/verifier/response_len": 10.0, "rollout/verifier/truncated_fraction": 0.2}
+                for k in (0.0, 1.0, 5.0)]
 
     monkeypatch.setattr(bench_throughput, "train_steps", train_steps)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run directories' parent
     command, args = _cli_args("--recipe", "tiny_arithmetic", "--override", "rollout.group_size=2", "--steps", 4,
                               "--json", tmp_path / "real.json")
     assert command.run(args) == 0
-    assert [c[2] for c in calls] == ["sync", "sync_overlap", "pipeline_overlap"]
-    for (recipe, overrides, _), mode in zip(calls, ("sync", "sync", "pipeline")):
+    assert [c[2] for c in calls] == ["sync", "pipeline", "pipeline_overlap"]
+    for (recipe, overrides, _), mode in zip(calls, ("sync", "pipeline", "pipeline")):
         assert recipe == "tiny_arithmetic" and f"pipeline.mode={mode}" in overrides
         assert "rollout.group_size=2" in overrides and "run.steps=4" in overrides
-    assert "scheduler.overlap=false" in calls[0][1] and "scheduler.overlap=true" in calls[1][1]
+    assert [("scheduler.overlap=true" in c[1]) for c in calls] == [False, False, True]
     result = json.loads((tmp_path / "real.json").read_text())
-    assert result["steps"] == 4 and list(result["modes"]) == ["sync", "sync+overlap", "pipeline+overlap"]
+    assert result["steps"] == 4 and list(result["modes"]) == ["sync", "pipeline", "pipeline+overlap"]
     rows = result["modes"]
     assert [rows[m]["throughput/samples_per_s"] for m in rows] == [11.0, 21.0, 31.0]  # medians
     assert [rows[m]["time/step"] for m in rows] == [3.0, 3.0, 3.0]
     assert [rows[m]["speedup_samples_per_s"] for m in rows] == pytest.approx([1.0, 21 / 11, 31 / 11])
-    assert "pipeline+overlap" in capsys.readouterr().out
+    calibration = result["calibration"]
+    assert calibration["steps"] == 3 and calibration["config"]["engine_batching"] == "static"
+    assert calibration["config"]["weight_sync_s"] == pytest.approx(1.2)  # median of step - rollout_and_train
+    for row in rows.values():
+        assert row["predicted"]["step_s"] > 0
+        assert row["error"]["time/step"] == pytest.approx(row["predicted"]["step_s"] / row["time/step"] - 1)
+    out = capsys.readouterr().out
+    assert "pipeline+overlap" in out and "pred step s" in out
 
 
 def test_cli_subprocess_prints_json():
@@ -178,3 +192,36 @@ def test_cli_subprocess_prints_json():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["speedup"]["pipeline"] > 1.0 and result["derived"]["dp_size"] == 4
+
+
+def test_static_batches_last_their_longest_output_and_wait_for_the_engine():
+    """One engine, one static batch per stage: with constant lengths L a sync step of P problems,
+    G samples, k inputs, S=3 and every trajectory going on is three batches (P*G, P*k*G, P*k*G
+    rows), each n*L / rate long; no round can start before the batch that ends it."""
+    cfg = SimConfig(num_gpus=2, engine_gpus=1, gpus_per_engine=1, train_gpus_per_replica=1, problems_per_step=4,
+                    group_size=2, inputs_per_stage=2, max_stages=3, continue_fraction=1.0, mean_tokens=10,
+                    max_tokens=10, length_sigma=0.0, prompt_tokens=5, segment_tokens=None, engine_batching="static",
+                    engine_concurrency=1000, engine_tokens_per_s=80.0, train_tokens_per_s_per_gpu=1e9,
+                    weight_sync_s=0.0, measured_steps=2, token_budget=64)
+    rows = 4 * 2 + 2 * (4 * 2 * 2)
+    sync = simulate(cfg, modes=("sync",)).modes["sync"]
+    assert sync.median_rollout_s == pytest.approx(rows * 10 / 80.0)
+    # pipeline: steady steps hold every stage at once, one batch of the same rows
+    pipe = simulate(dataclasses.replace(cfg, warmup_steps=2), modes=("pipeline",)).modes["pipeline"]
+    assert pipe.median_rollout_s == pytest.approx(rows * 10 / 80.0)
+    # a batch cap of 8 rows splits every stage into batches of 8: the same row-tokens, same time
+    capped = simulate(dataclasses.replace(cfg, engine_concurrency=8), modes=("sync",)).modes["sync"]
+    assert capped.median_rollout_s == pytest.approx(rows * 10 / 80.0)
+    # two engines take a batch each: the Solver's one batch of 8, then each later stage's two at once
+    two = simulate(dataclasses.replace(cfg, engine_gpus=2, engine_concurrency=8), modes=("sync",)).modes["sync"]
+    assert two.median_rollout_s == pytest.approx(3 * 8 * 10 / 80.0)
+    with pytest.raises(ValueError, match="engine_batching"):
+        SimConfig(engine_batching="dynamic")
+
+
+@pytest.mark.parametrize("truncated", [0.05, 0.3, 0.5])
+def test_length_model_fit_matches_the_mean_and_the_truncated_share(truncated):
+    model = LengthModel.fit(mean_tokens=300, max_tokens=512, truncated_fraction=truncated)
+    assert model.clipped_mean(model.mu) == pytest.approx(300, rel=1e-6)
+    assert model.truncated_fraction() == pytest.approx(truncated, abs=0.01)
+    assert LengthModel.fit(mean_tokens=512, max_tokens=512, truncated_fraction=1.0).sigma == 0.0
