@@ -2,6 +2,7 @@
 servers). Standard library only, so either side may import it."""
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -11,6 +12,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """Only connections from this machine can reach ``host`` (a name other than localhost counts as open)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """``host`` binds every interface (0.0.0.0, ::): reached locally, announced to others under
+    the address they route to."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def route_address(toward: str) -> str:

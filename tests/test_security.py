@@ -87,7 +87,8 @@ def test_protected_paths_are_never_replaced(tmp_path, monkeypatch):
 # ---- API key of SGLang servers ------------------------------------------------------------------
 def test_non_loopback_engine_host_needs_an_api_key(monkeypatch, tiny_hf):
     from megatron_marsrl.rollout.factory import RolloutEngineConfig
-    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServerConfig, is_loopback
+    from megatron_marsrl.net import is_loopback
+    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, SGLangServerConfig
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
@@ -278,3 +279,10 @@ def test_a_reused_run_directory_starts_fresh_metrics(tmp_path):
     assert records == [{"step": 1, "loss": 10.0}]
     assert len((run / "metrics.1.jsonl").read_text().splitlines()) == 2
     assert (run / "tensorboard.1").is_dir() and len(os.listdir(run / "tensorboard")) == 1
+
+
+def test_wildcard_hosts_are_told_from_loopback_and_named_hosts():
+    from megatron_marsrl.net import is_wildcard
+
+    assert is_wildcard("0.0.0.0") and is_wildcard("::")
+    assert not is_wildcard("127.0.0.1") and not is_wildcard("10.1.2.3") and not is_wildcard("node7")

@@ -115,7 +115,7 @@ def _print(result) -> None:
           f"{cfg.decode_tokens_per_s:g} tok/s, {cfg.dp_size} training replicas at "
           f"{cfg.train_tokens_per_s_per_gpu:g} tok/s/GPU")
     print(f"  {cfg.problems_per_step} problems/step, G={cfg.group_size} k={cfg.inputs_per_stage} "
-          f"S={cfg.max_stages}; outputs mean {cfg.mean_tokens} max {cfg.max_tokens} "
+          f"S={cfg.max_stages}; outputs mean {cfg.mean_tokens:g} max {cfg.max_tokens} "
           f"({lengths.truncated_fraction():.1%} truncated), {segments}; median of {cfg.measured_steps} steps")
     print(f"{'mode':<18}{'step s':>9}{'rollout s':>11}{'samples/s':>11}{'train idle':>12}"
           f"{'rollout idle':>14}{'overlapped':>12}{'speed-up':>10}")

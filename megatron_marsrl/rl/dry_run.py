@@ -47,7 +47,7 @@ from megatron_marsrl.megatron.memory import (GIB, ColocatedRollout, MemoryBudget
 from megatron_marsrl.megatron.parallel import LayoutError
 from megatron_marsrl.rl.config import TrainConfig
 from megatron_marsrl.rl.projection import format_table, project
-from megatron_marsrl.rollout.sglang_server import is_loopback
+from megatron_marsrl.net import is_loopback
 
 GPU_ENGINES = ("sglang", "sglang_server")
 
@@ -123,8 +123,8 @@ def _check_engine_placement(config: TrainConfig, nodes: int, gpus_per_node: int)
                           "node's GPUs 0..base_gpu_id-1 train, the engines take the GPUs from base_gpu_id on")
     engines = f"{eng.num_engines} x TP{eng.tp_size}{f' per policy' if policies > 1 else ''} on GPUs " \
               f"{eng.base_gpu_id}..{end - 1}"
-    if eng.kind == "sglang":
-        return [f"engine sglang: {engines} of the first node (in-process engines live in rank 0's process; the "
+    if not eng.on_every_node:
+        return [f"engine {eng.kind}: {engines} of the first node (in-process engines live in rank 0's process; the "
                 "other nodes' GPUs train only)"]
     lines = [f"engine sglang_server: {engines} of each of the {nodes} node(s), {nodes * eng.num_engines} engine(s) "
              "per policy in all (each node's first rank starts its node's)"]

@@ -18,7 +18,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron_marsrl.net import route_address
+from megatron_marsrl.net import is_loopback, is_wildcard, route_address
 from megatron_marsrl.rl.config import TrainConfig
 
 
@@ -43,15 +43,13 @@ class NodeRank:
 
 def spreads(config: TrainConfig, where: NodeRank) -> bool:
     """Whether this run starts engines on more than rank 0's node."""
-    return config.engine.kind == "sglang_server" and where.nodes > 1
+    return config.engine.on_every_node and where.nodes > 1
 
 
 def check_placement(config: TrainConfig, where: NodeRank) -> None:
     """Refuse, before anything starts, engines that other nodes cannot reach (servers bound to
     loopback while the nodes are not all this machine) and split engines on trainer GPUs."""
     import torch
-
-    from megatron_marsrl.rollout.sglang_server import is_loopback
 
     eng, master = config.engine, os.environ.get("MASTER_ADDR", "127.0.0.1")
     if spreads(config, where) and is_loopback(eng.host) and not is_loopback(master):
@@ -95,7 +93,7 @@ def _advertised(url: str, toward: str) -> str:
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    if parts.hostname not in ("0.0.0.0", "::"):
+    if not is_wildcard(parts.hostname or ""):
         return url
     return f"{parts.scheme}://{route_address(toward)}:{parts.port}"
 

@@ -106,7 +106,7 @@ def config_mode(config: TrainConfig) -> str:
     """The config's mode in the simulator's names, and its placement."""
     mode = "sync" if config.pipeline.mode == "sync" else \
         "pipeline+overlap" if config.scheduler.overlap else "pipeline"
-    where = "every node" if config.engine.kind == "sglang_server" else "the first node"
+    where = "every node" if config.engine.on_every_node else "the first node"
     if config.engine.placement == "split":
         return f"{mode} (split: engines on GPUs of their own on {where})"
     sharing = "time-shared" if config.pipeline.time_shared else "resident"
@@ -116,7 +116,7 @@ def config_mode(config: TrainConfig) -> str:
 def engine_gpus_started(config: TrainConfig, nodes: int) -> int:
     """GPUs one policy's engines take: each node's for SGLang servers, the first node's otherwise."""
     eng = config.engine
-    return eng.num_engines * eng.tp_size * (nodes if eng.kind == "sglang_server" else 1)
+    return eng.num_engines * eng.tp_size * (nodes if eng.on_every_node else 1)
 
 
 def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident: MemoryEstimate,
@@ -126,7 +126,7 @@ def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident
     here), `resident` the dry run's estimate of them colocated and resident, `resident_peak_gib`
     its binding peak (training next to resident, generating engines)."""
     eng, par, world = config.engine, config.parallel, memory.world_size
-    servers = eng.kind == "sglang_server"  # the engines that can start on every node
+    servers = eng.on_every_node
     base = _sim_config(config, world)
     context = math.ceil(base.prompt_tokens + base.length_model().decoding_context())
     rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=1,

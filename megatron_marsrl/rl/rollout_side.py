@@ -71,6 +71,7 @@ class RolloutSide:
         self.eval_problems = dataset_from_spec(config.task.eval)[: config.task.eval_size] if config.task.eval else []
         self._snapshot = self.state_dict()
         self._served: list[int] = []
+        self._batched = self._batch_stats()
 
     def attach_remote(self, urls: dict[str, list[str]], hf_dir: str) -> None:
         """Add the other nodes' SGLang servers (rl/node_engines.py) to each policy's pool; they
@@ -90,6 +91,25 @@ class RolloutSide:
         before = self._served + [0] * (len(now) - len(self._served))
         self._served = now
         return sum(a > b for a, b in zip(now, before))
+
+    def engine_batch_metrics(self) -> dict[str, float]:
+        """What the in-process engines (one batch at a time) ran since the last call, summed over
+        every policy's engines: batches, seconds busy, row-tokens (rows x their batch's longest
+        output). Empty for SGLang servers, which batch continuously."""
+        from megatron_marsrl.rollout.batcher import BatchedEngine
+
+        if not any(isinstance(e, BatchedEngine) for pool in self.pools.values() for e in pool.engines):
+            return {}
+        now = self._batch_stats()
+        ran, self._batched = now - self._batched, now
+        return {"rollout/engine_batches": ran.batches, "rollout/engine_busy_s": ran.busy_s,
+                "rollout/engine_row_tokens": ran.row_tokens}
+
+    def _batch_stats(self):
+        from megatron_marsrl.rollout.batcher import BatchedEngine, BatchStats
+
+        return sum((e.batch_stats for pool in self.pools.values() for e in pool.engines
+                    if isinstance(e, BatchedEngine)), BatchStats())
 
     def start_step(self, step: int) -> None:
         """Take the step's problems and start generating (the state before is kept so that a

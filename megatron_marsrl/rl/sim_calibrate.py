@@ -12,10 +12,13 @@ The procedure (the measured `marsrl bench pipeline` runs it; rl/bench_real.py):
        corrector / verifier sample counts), the GPUs that train and that generate;
      * `weight_sync_s`: the step time outside rollout and training (optimizer step, weight
        sync, bookkeeping), the median over steps;
-     * the two rates: the calibration run is simulated at nominal rates, then each rate is
-       scaled by simulated / measured time: the decode rate by the rollout time, the training
-       rate by the training time. In a sync step without overlap each time is inversely
-       proportional to its rate, so one scaling fits it exactly (on average over the steps).
+     * the decode rate. Engines that run one batch at a time (the in-process kinds) log what
+       they ran per step (rollout/engine_*): their rate is row-tokens / busy seconds, and the
+       rollout time they were not busy, per batch, is `batch_overhead_s`. For SGLang servers
+       (continuous batching) the calibration run is simulated at a nominal rate and the rate
+       scaled by simulated / measured rollout time (inversely proportional in a sync step);
+     * the training rate: scaled the same way by the training time (training after the
+       rollout, inversely proportional to its rate).
   3. Everything else comes from the recipe: problems per step, G, k, S, segment rollout, the
      scheduler's token budget, shared or per-role policies, the engines' batching and
      concurrency, the training layout.
@@ -66,14 +69,34 @@ def calibrate(train_config, records: list[dict], *, seeds: int = 5) -> Calibrati
         raise ValueError(f"calibration run: rollout {rollout_s:.3g} s and training {train_s:.3g} s per step; "
                          "both must be > 0")
     nominal = workload(train_config, records)
+    batched = _batched_engine(records, rollout_s, engines=nominal.generation_gpus // nominal.gpus_per_engine)
+    if nominal.engine_batching == "static" and batched:
+        nominal = dataclasses.replace(nominal, **batched)
     sim = _runs(nominal, "sync", steps=len(records), seeds=seeds)
     sim_rollout = statistics.fmean(t for run in sim for t in run.rollout_s)
     sim_train = statistics.fmean(step - roll - nominal.weight_sync_s for run in sim
                                  for step, roll in zip(run.step_s, run.rollout_s))
-    decode = "engine_tokens_per_s" if nominal.engine_batching == "static" else "decode_tokens_per_s"
-    fitted = dataclasses.replace(nominal, **{decode: NOMINAL_RATE * sim_rollout / rollout_s,
-                                             "train_tokens_per_s_per_gpu": NOMINAL_RATE * sim_train / train_s})
-    return Calibration(config=fitted, rollout_s=rollout_s, train_s=train_s, steps=len(records))
+    rates = {"train_tokens_per_s_per_gpu": NOMINAL_RATE * sim_train / train_s}
+    if not (nominal.engine_batching == "static" and batched):
+        decode = "engine_tokens_per_s" if nominal.engine_batching == "static" else "decode_tokens_per_s"
+        rates[decode] = NOMINAL_RATE * sim_rollout / rollout_s
+    return Calibration(config=dataclasses.replace(nominal, **rates), rollout_s=rollout_s, train_s=train_s,
+                       steps=len(records))
+
+
+def _batched_engine(records: list[dict], rollout_s: float, *, engines: int) -> dict:
+    """engine_tokens_per_s and batch_overhead_s from what the in-process engines logged per
+    step; empty when they logged nothing (SGLang servers)."""
+    if not all("rollout/engine_batches" in r for r in records):
+        return {}
+    batches = sum(r["rollout/engine_batches"] for r in records)
+    busy = sum(r["rollout/engine_busy_s"] for r in records)
+    row_tokens = sum(r["rollout/engine_row_tokens"] for r in records)
+    if not (batches and busy > 0 and row_tokens):
+        return {}
+    # the engines run side by side: per engine, the rollout is its batches and the gaps between
+    idle = max(0.0, rollout_s * len(records) - busy / engines)
+    return {"engine_tokens_per_s": row_tokens / busy, "batch_overhead_s": idle / (batches / engines)}
 
 
 def workload(train_config, records: list[dict]) -> SimConfig:
@@ -111,7 +134,7 @@ def workload(train_config, records: list[dict]) -> SimConfig:
         group_size=rollout.group_size, inputs_per_stage=rollout.inputs_per_stage, max_stages=rollout.max_stages,
         continue_fraction=continue_fraction(samples.get("verifier", 0.0), samples.get("corrector", 0.0),
                                             rollout.max_stages),
-        mean_tokens=round(lengths.mean_tokens), max_tokens=max_tokens, length_sigma=lengths.sigma,
+        mean_tokens=lengths.mean_tokens, max_tokens=max_tokens, length_sigma=lengths.sigma,
         prompt_tokens=prompt, segment_tokens=train_config.pipeline.segment_tokens, **placement,
         gpus_per_engine=gpus_per_engine, engine_concurrency=concurrency, engine_batching=engine.batching,
         engine_tokens_per_s=NOMINAL_RATE, decode_tokens_per_s=NOMINAL_RATE,

@@ -26,7 +26,8 @@ Model, every assumption a `SimConfig` field:
     `decode_tokens_per_s` tokens/s and requests wait FIFO for a free slot. "static" (the
     embedded engine's batcher): an engine runs one batch at a time, made of the requests
     waiting when it starts; every row steps until the batch's longest output is done, and
-    the batch's row-tokens are decoded at `engine_tokens_per_s` (compute-bound, as on CPU).
+    the batch's row-tokens are decoded at `engine_tokens_per_s` (compute-bound, as on CPU),
+    plus `batch_overhead_s` per batch.
     Prefill time and KV-cache pressure below the concurrency cap are ignored.
   * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
     scheduler in lockstep; a round lasts its largest micro-batch's tokens (sequences packed
@@ -85,7 +86,7 @@ class SimConfig:
     continue_fraction: float = 0.8
     """Share of trajectories going on after a Verifier stage (some verifier output flagged an
     error). Our assumption; MarsRL gives no figure."""
-    mean_tokens: int = 20000
+    mean_tokens: float = 20000
     """Mean output length in tokens (MarsRL-like long reasoning; our estimate)."""
     max_tokens: int = 65536
     """Output cap (MarsRL samples up to 64k new tokens)."""
@@ -121,6 +122,10 @@ class SimConfig:
     """Static batching only: tokens/s one engine decodes over a batch's rows (finished rows
     keep stepping until the batch ends, so a batch of n rows whose longest output is L takes
     n x L / engine_tokens_per_s)."""
+    batch_overhead_s: float = 0.0
+    """Static batching only: seconds each batch adds to the rollout besides decoding (the
+    batcher's gather window, prefill, handing the outputs to the agents and their next
+    requests back)."""
     train_gpus_per_replica: int = 8
     """GPUs per data-parallel training replica (EP=8 inside a node)."""
     train_tokens_per_s_per_gpu: float = 4000.0
@@ -139,8 +144,7 @@ class SimConfig:
     """One policy per role (rounds of one policy each) instead of one shared model."""
 
     def __post_init__(self) -> None:
-        for name in ("measured_steps", "problems_per_step", "group_size", "inputs_per_stage", "max_stages", "mean_tokens",
-                     "max_tokens", "num_gpus", "gpus_per_engine", "engine_concurrency", "train_gpus_per_replica",
+        for name in ("measured_steps", "problems_per_step", "group_size", "inputs_per_stage", "max_stages", "max_tokens", "num_gpus", "gpus_per_engine", "engine_concurrency", "train_gpus_per_replica",
                      "token_budget"):
             _positive_int(name, getattr(self, name))
         if self.engine_batching not in ENGINE_BATCHING:
@@ -153,8 +157,8 @@ class SimConfig:
         for name in ("continue_fraction", "colocated_decode_floor"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be within [0, 1]")
-        if self.prompt_tokens < 0 or self.weight_sync_s < 0:
-            raise ValueError("prompt_tokens and weight_sync_s must be >= 0")
+        if self.prompt_tokens < 0 or self.weight_sync_s < 0 or self.batch_overhead_s < 0:
+            raise ValueError("prompt_tokens, weight_sync_s and batch_overhead_s must be >= 0")
         if self.segment_tokens is not None:
             _positive_int("segment_tokens", self.segment_tokens)
         self.length_model()  # validates the length distribution
@@ -232,7 +236,9 @@ class LengthModel:
     def __post_init__(self) -> None:
         if self.sigma < 0:
             raise ValueError(f"length_sigma={self.sigma}: must be >= 0")
-        if not 1 <= self.mean_tokens <= self.max_tokens or (self.sigma > 0 and self.mean_tokens >= self.max_tokens):
+        if self.mean_tokens < 1:
+            raise ValueError(f"mean_tokens={self.mean_tokens}: must be >= 1 (outputs have at least one token)")
+        if self.mean_tokens > self.max_tokens or (self.sigma > 0 and self.mean_tokens >= self.max_tokens):
             raise ValueError(f"mean_tokens={self.mean_tokens} must be below max_tokens={self.max_tokens} "
                              f"(equal only with length_sigma=0)")
         object.__setattr__(self, "mu", self._solve_mu())
@@ -458,7 +464,7 @@ def _generate(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_tra
         while waiting and len(running) < capacity:
             if static:
                 batch = [start(*waiting.popleft()) for _ in range(min(len(waiting), cfg.engine_concurrency))]
-                end = now + len(batch) * max(n for *_, n in batch) / cfg.engine_tokens_per_s
+                end = now + cfg.batch_overhead_s + len(batch) * max(n for *_, n in batch) / cfg.engine_tokens_per_s
             else:
                 batch = [start(*waiting.popleft())]
                 end = now + batch[0][3] / cfg.decode_tokens_per_s

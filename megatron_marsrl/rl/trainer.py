@@ -471,7 +471,8 @@ class Trainer:
                     "time/train_idle_fraction": metrics.get("time/train_idle", 0.0) / step_time,
                     "rollout/samples": len(samples), "rollout/pending_stage_inputs": len(self.rollout.driver.pending),
                     "rollout/continued_samples": sum(len(set(s.metadata.get("token_versions") or [])) > 1
-                                                     for s in samples)})
+                                                     for s in samples),
+                    **self.rollout.engine_batch_metrics()})
         # Raw per-step figures for `marsrl bench throughput` (tokens/s/GPU, MFU): the lengths of
         # the sequences trained (those with a response), and the devices of each side.
         lengths = [len(s.prompt_token_ids or []) + len(s.response_token_ids) for s in samples if s.response_token_ids]

@@ -21,6 +21,26 @@ from typing import Callable
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineUnavailableError
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchStats:
+    """What a batcher's engine ran, summed since it started (subtract two for an interval)."""
+
+    batches: int = 0
+    busy_s: float = 0.0
+    """Seconds spent running batches."""
+    row_tokens: int = 0
+    """Rows x the longest output of their batch, summed over batches: the row-steps a static
+    batch decodes (finished rows keep stepping until the batch ends)."""
+
+    def __add__(self, other: BatchStats) -> BatchStats:
+        return BatchStats(batches=self.batches + other.batches, busy_s=self.busy_s + other.busy_s,
+                          row_tokens=self.row_tokens + other.row_tokens)
+
+    def __sub__(self, other: BatchStats) -> BatchStats:
+        return BatchStats(batches=self.batches - other.batches, busy_s=self.busy_s - other.busy_s,
+                          row_tokens=self.row_tokens - other.row_tokens)
+
+
 @dataclasses.dataclass
 class _Job:
     requests: list[EngineRequest]
@@ -46,6 +66,8 @@ class DynamicBatcher:
         self._closed = False
         self.batch_sizes: deque[int] = deque(maxlen=10000)
         """Requests per batch, for the latest batches (tests and benchmarks)."""
+        self.stats = BatchStats()
+        """The batches run so far (the trainer logs them per step)."""
         self._worker = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
         self._worker.start()
 
@@ -106,12 +128,16 @@ class DynamicBatcher:
             requests = [r for job in jobs for r in job.requests]
             try:
                 with self._engine_lock:
+                    began = time.perf_counter()
                     outputs = self._run_batch(requests)
+                    busy = time.perf_counter() - began
             except Exception as exc:  # every caller of the batch gets the error
                 for job in jobs:
                     job.future.set_exception(exc)
                 continue
             self.batch_sizes.append(len(requests))
+            longest = max((len(out.output_ids) for out in outputs), default=0)
+            self.stats += BatchStats(batches=1, busy_s=busy, row_tokens=len(requests) * longest)
             start = 0
             for job in jobs:
                 job.future.set_result(outputs[start: start + len(job.requests)])
@@ -141,3 +167,8 @@ class BatchedEngine:
     def batch_sizes(self) -> deque[int]:
         """Requests per batch of the latest batches."""
         return self._batcher.batch_sizes
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """The batches this engine ran so far."""
+        return self._batcher.stats

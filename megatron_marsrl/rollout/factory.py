@@ -89,6 +89,13 @@ class RolloutEngineConfig:
 
 
     @property
+    def on_every_node(self) -> bool:
+        """Whether each node of the run starts its own engines: SGLang servers do (each node's
+        first rank starts them, rank 0 reaches them over HTTP); the in-process kinds live in
+        rank 0's process, on the first node only."""
+        return self.kind == "sglang_server"
+
+    @property
     def batching(self) -> str:
         """How an engine takes requests: "static" (one batch at a time behind
         rollout/batcher.py, the in-process kinds) or "continuous" (SGLang's server scheduler)."""
@@ -102,7 +109,8 @@ class RolloutEngineConfig:
 
 
 def _check_host(host: str) -> None:
-    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV, is_loopback
+    from megatron_marsrl.net import is_loopback
+    from megatron_marsrl.rollout.sglang_server import API_KEY_ENV
 
     if not is_loopback(host) and not os.environ.get(API_KEY_ENV):
         raise ValueError(f"engine.host={host!r} lets other machines reach the SGLang servers, whose weight updates "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import ipaddress
 import json
 import os
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_marsrl.net import free_port
+from megatron_marsrl.net import free_port, is_loopback
 from megatron_marsrl.procs import set_parent_death_signal
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
 from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError, sglang_dtype
@@ -103,16 +102,6 @@ class SGLangServerConfig:
 
 
 API_KEY_ENV = "MARSRL_SGLANG_API_KEY"
-
-
-def is_loopback(host: str) -> bool:
-    """Only connections from this machine can reach ``host`` (a name other than localhost counts as open)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _die_with_parent() -> None:

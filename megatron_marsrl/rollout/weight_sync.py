@@ -76,6 +76,6 @@ class DistributedWeightSender:
 def _on_this_machine(host: str) -> bool:
     """A server URL's host that names this machine: loopback, or the wildcard a server bound to
     every interface is reached through locally."""
-    from megatron_marsrl.rollout.sglang_server import is_loopback
+    from megatron_marsrl.net import is_loopback, is_wildcard
 
-    return is_loopback(host) or host in ("0.0.0.0", "::")
+    return is_loopback(host) or is_wildcard(host)

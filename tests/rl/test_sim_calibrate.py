@@ -10,7 +10,7 @@ from megatron_marsrl.rl.simulate import SimConfig, simulate
 SYNC = ["pipeline.mode=sync", "scheduler.overlap=false", "rollout.sampling.max_tokens=12"]
 
 
-def _truth(train_config) -> SimConfig:
+def _truth(train_config, batch_overhead_s: float = 0.0) -> SimConfig:
     """What a sync run of tiny_arithmetic looks like to the simulator: constant lengths (every
     output truncated), every trajectory going on, known rates."""
     p = train_config.pipeline.problems_per_step
@@ -20,11 +20,12 @@ def _truth(train_config) -> SimConfig:
                      num_gpus=2, engine_gpus=1, gpus_per_engine=1, engine_batching="static",
                      engine_concurrency=65536 // 32, engine_tokens_per_s=3000.0, train_gpus_per_replica=1,
                      train_tokens_per_s_per_gpu=5000.0, token_budget=train_config.scheduler.token_budget,
-                     weight_sync_s=0.2)
+                     weight_sync_s=0.2, batch_overhead_s=batch_overhead_s)
 
 
-def _records(truth: SimConfig) -> list[dict]:
-    """metrics.jsonl records of the run `truth` simulates, with the keys the trainer logs."""
+def _records(truth: SimConfig, *, engine_metrics: bool = False) -> list[dict]:
+    """metrics.jsonl records of the run `truth` simulates, with the keys the trainer logs (the
+    embedded engine's batches too with `engine_metrics`: one batch per stage here)."""
     sync = simulate(truth, modes=("sync",)).modes["sync"]
     g, k, p = truth.group_size, truth.inputs_per_stage, truth.problems_per_step
     samples = {"solver": p * g, "verifier": p * k * g, "corrector": p * k * g}
@@ -34,6 +35,9 @@ def _records(truth: SimConfig) -> list[dict]:
         r = {"time/step": step, "time/rollout": rollout, "time/rollout_and_train": step - truth.weight_sync_s,
              "tokens/generated": n * truth.max_tokens, "tokens/trained": n * (truth.max_tokens + truth.prompt_tokens),
              "world/train_gpus": 2.0, "world/rollout_gpus": 1.0}
+        if engine_metrics:
+            r.update({"rollout/engine_batches": 3, "rollout/engine_busy_s": rollout - 3 * truth.batch_overhead_s,
+                      "rollout/engine_row_tokens": n * truth.max_tokens})
         for role, count in samples.items():
             r.update({f"rollout/{role}/samples": float(count), f"rollout/{role}/response_len": float(truth.max_tokens),
                       f"rollout/{role}/truncated_fraction": 1.0})
@@ -41,10 +45,14 @@ def _records(truth: SimConfig) -> list[dict]:
     return records
 
 
-def test_calibration_recovers_the_rates_of_a_known_run_and_predicts_its_modes():
+@pytest.mark.parametrize("engine_metrics", [False, True])
+def test_calibration_recovers_the_rates_of_a_known_run_and_predicts_its_modes(engine_metrics):
+    """Without the engine's batch log the decode rate is scaled to the rollout time; with it,
+    rate and per-batch overhead are read from it (the overhead is invisible otherwise)."""
     train_config = resolve_config("tiny_arithmetic", SYNC)
-    truth = _truth(train_config)
-    fitted = calibrate(train_config, _records(truth)).config
+    truth = _truth(train_config, batch_overhead_s=0.05 if engine_metrics else 0.0)
+    fitted = calibrate(train_config, _records(truth, engine_metrics=engine_metrics)).config
+    assert fitted.batch_overhead_s == pytest.approx(truth.batch_overhead_s, abs=1e-9)
     assert fitted.engine_batching == "static" and fitted.continue_fraction == pytest.approx(1.0)
     assert (fitted.mean_tokens, fitted.max_tokens, fitted.prompt_tokens) == (12, 12, 20)
     assert fitted.weight_sync_s == pytest.approx(0.2)

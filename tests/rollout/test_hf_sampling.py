@@ -83,3 +83,17 @@ def test_the_batch_token_budget_bounds_batches(tiny_hf):
     assert all(len(f.result()[0].output_ids) <= 12 for f in futures)
     assert max(engine.batch_sizes) <= 4 and sum(engine.batch_sizes) == 8
     engine.shutdown()
+
+
+def test_batch_stats_count_batches_busy_time_and_row_tokens(tiny_hf):
+    """What the trainer logs per step (rollout/engine_*): a batch of rows with different
+    lengths counts rows x its longest output."""
+    engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
+    before = engine.batch_stats
+    outs = engine.generate([_seeded([1, 2, 3], 7, max_new=5), _seeded([4, 5], 8, max_new=9)])
+    ran = engine.batch_stats - before
+    assert ran.batches == 1 and ran.busy_s > 0
+    assert ran.row_tokens == 2 * max(len(o.output_ids) for o in outs)
+    engine.generate([_seeded([1, 2, 3], 9, max_new=3)])
+    assert (engine.batch_stats - before).batches == 2
+    engine.shutdown()
