@@ -11,8 +11,10 @@ The order in every step, each phase logged to train.log as "time-shared step N: 
                 weights' memory back
   weight sync   the trainer's parameters, still on the GPU, go to the engines
   to_rollout    the parameters leave the GPU; the engines get their KV cache and CUDA graphs
-Before the first step (`start`) the trainer's parameters and state leave the GPU; checkpoints
-bring them back while they are written (`trainer_resident`).
+Before the engines start (`start`) the trainer's parameters and state leave the GPU, so that
+SGLang sizes its KV pool for the GPU it has to itself while generating. A resume brings the
+trainer back as after a rollout (`to_training`), loads the checkpoint and syncs the weights as
+a step does. Checkpoints bring the trainer back while they are written (`trainer_resident`).
 
 The moves are GPU-only: SGLang's memory saver needs CUDA, and on CPU there is no device memory
 to free. Without a GPU every phase still runs in this order, with the same barriers, and logs
@@ -40,7 +42,8 @@ class TimeShare:
     def __init__(self, actors: dict, pools: dict | None, *, group, moves: bool | None = None):
         self.actors = actors
         self.pools = pools
-        """Rank 0's engine pools per policy; None on the other ranks."""
+        """Rank 0's engine pools per policy, set once they started (after `start`); None on the
+        other ranks."""
         self.group = group
         """The control process group the phases synchronise on (gloo)."""
         self.moves = torch.cuda.is_available() if moves is None else moves

@@ -70,11 +70,21 @@ class Trainer:
         # through train/mismatch_* instead. The bit-for-bit read-back catches a sync that did nothing.
         self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.1) if not config.engine.quantization else 5.0
         self.rollout = self.node_engines = None
+        self.time_share = None
+        if config.pipeline.time_shared:
+            from megatron_marsrl.rl.time_share import TimeShare
+
+            # The trainer leaves the GPU before the engines start, so that SGLang sizes its KV
+            # pool for the GPU it has to itself in the rollout phase.
+            self.time_share = TimeShare(self.actors, None, group=self.control)
+            self.time_share.start()
         try:
             self._start_engines(where)
         except BaseException:
             self.close()
             raise
+        if self.time_share is not None and self.rollout is not None:
+            self.time_share.pools = self.rollout.pools
         self.start_step = 0
         self._policy_entropy: dict[str, float] = {}
         """Each policy's mean token entropy in the last step trained (all ranks): DMMPT's gate."""
@@ -83,18 +93,12 @@ class Trainer:
         self._stop_signal, self._stop_time = None, 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self.time_share = None  # (the resume's weight sync runs with everything resident)
         if resume:
             try:
                 self._resume()
             except BaseException:  # e.g. a checkpoint of another layout: stop the engines too
                 self.close()
                 raise
-        if config.pipeline.time_shared:
-            from megatron_marsrl.rl.time_share import TimeShare
-
-            self.time_share = TimeShare(self.actors, self.rollout.pools if self.rollout else None, group=self.control)
-            self.time_share.start()
         if self.rank == 0:
             self._save_config()
 
@@ -114,6 +118,8 @@ class Trainer:
             from megatron_marsrl.rl.rollout_side import RolloutSide
 
             self.rollout = RolloutSide(config, str(self.hf_dir))
+            log.info("rollout engines started: %s", ", ".join(f"policy {name}: {len(pool.engines)} x {config.engine.kind}"
+                                                            for name, pool in self.rollout.pools.items()))
         if spreads(config, where):  # every node's engines serve rank 0's pools
             remote = gather_remote(self.control, self.node_engines)
             if self.rollout is not None:
@@ -559,6 +565,8 @@ class Trainer:
         if path is None:
             log.warning("--resume: no complete checkpoint under %s; starting from step 0", self.run_dir)
             return
+        if self.time_share is not None:  # as after a rollout: the engines make room, the trainer comes back
+            self.time_share.to_training()
         state = checkpoint.load(path, self.actors)
         self._policy_entropy = dict(state.get("policy_entropy", {}))
         if self.rollout is not None:

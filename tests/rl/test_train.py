@@ -115,19 +115,26 @@ def test_train_end_to_end_embedded_engine(tmp_path):
 
 
 def test_time_shared_colocation_runs_its_phases_in_order(tmp_path):
-    """pipeline.time_shared: each step releases the engines and brings the trainer back after
-    the rollout, and offloads the trainer and resumes the engines around the weight sync, on
-    every rank in the same order (on CPU the moves themselves are skipped and logged)."""
+    """pipeline.time_shared: the trainer leaves the GPU before the engines start; each step
+    releases the engines and brings the trainer back after the rollout, and offloads the trainer
+    and resumes the engines around the weight sync, on every rank in the same order; a resume
+    loads the checkpoint and syncs as a step does (on CPU the moves are skipped and logged)."""
     run = tmp_path / "run"
-    train(run, "run.steps=2", "run.checkpoint_every=2", "run.eval_every=0", "pipeline.time_shared=true",
-          "scheduler.overlap=false")
+    shared = ("run.eval_every=0", "pipeline.time_shared=true", "scheduler.overlap=false")
+    train(run, "run.steps=1", "run.checkpoint_every=1", *shared)
+    train(run, "run.steps=2", "run.checkpoint_every=2", "--resume", *shared)
     _check_steps(run, 2)
     log = (run / "train.log").read_text()
     assert "no GPU, so the trainer's offload and SGLang's memory release are skipped" in log
+    step = [("0", "to_training"), ("0", "to_sync"), ("0", "to_rollout")]
     for rank in (0, 1):
         phases = re.findall(rf"rank{rank} INFO .*time-shared step (\d+): (\w+)", log)
-        assert phases == [("0", "start"), ("0", "to_training"), ("0", "to_sync"), ("0", "to_rollout"),
-                          ("1", "to_training"), ("1", "to_sync"), ("1", "to_rollout")], phases
+        assert phases == [("0", "start"), *step,  # the first run's step
+                          ("0", "start"), *step,  # the resume: checkpoint loaded, weights synced
+                          *[("1", phase) for _, phase in step]], phases
+    # in both runs the engines start after the trainer left the GPU
+    order = re.findall(r"rank0 INFO .*(time-shared step 0: start|rollout engines started)", log)
+    assert order == ["time-shared step 0: start", "rollout engines started"] * 2, order
     assert (run / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
 
 
