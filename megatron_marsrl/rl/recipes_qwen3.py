@@ -11,11 +11,18 @@ paper's set-up, all forced by what this trainer supports today:
     on one model replica, so TP=4 (the most the 4 KV heads allow) is needed to split its
     152k-vocabulary logits, and every layer is recomputed in backward;
   * colocated recipes (qwen3_30b_a3b_h100x{8,16,32,64}): one TP8 SGLang engine per node,
-    resident while training runs (no memory release), so each engine's KV pool
-    (engine.max_total_tokens) is what is left after training's peak, SGLang's runtime and the
-    dry run's reserve (6 GiB of 80 kept free for fragmentation, NCCL buffers and IPC
-    contexts: megatron/memory.py reserve_fraction). Of the colocated, resident modes,
-    pipeline+overlap projects fastest at every size, so these recipes use it.
+    time-shared with the trainer (pipeline.time_shared: the trainer's parameters and state go
+    to host memory while the engines generate, the engines release weights and KV cache while
+    it trains). Each engine's KV pool (engine.max_total_tokens, 39 x 64k tokens) is what the
+    GPU holds next to the engine's weights, SGLang's runtime, the trainer's CUDA context and the
+    dry run's reserve (6 GiB of 80 kept free for fragmentation, NCCL buffers and IPC contexts:
+    megatron/memory.py reserve_fraction). Their dry runs rank this placement in the agentic
+    pipeline first at every size, 2-4x faster than engines resident next to the trainer with
+    the overlapping scheduler (at 64 GPUs 3771 s/step against 8021: a resident trainer leaves
+    a pool of ~50 sequences per engine instead of ~130, and the step is rollout-bound). Time
+    sharing rules out overlap (scheduler.overlap=false): the scheduler's overlap pays in the
+    split recipes. Time-shared SGLang engines have not run on a GPU yet (the GPU check ran the
+    time-shared trainer with the embedded engine).
   * split recipes (qwen3_30b_a3b_h100x{32,64}_split): on every node GPUs 0-1 train and GPUs
     2-7 hold three TP2 engines, which take each weight sync by broadcast from rank 0
     (update_weights_from_distributed over NCCL). Launch torchrun with --nproc-per-node 2.
@@ -72,11 +79,14 @@ EVAL_DATA = "/data/marsrl/aime2025.jsonl"
 MAX_OUTPUT_TOKENS = 65536
 PROMPT_ALLOWANCE = 4096
 ENGINE_TP = 8
+TIME_SHARED_KV_TOKENS = 39 * 65536
+"""KV pool of a time-shared TP8 engine: 58.5 GiB per GPU, the rollout phase at 73.2 GiB with
+the 6 GiB reserve kept (the dry run's fill is ~2.59M tokens)."""
 
 
-def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfig:
-    """The MarsRL recipe on `gpus` GPUs; only the expert parallelism, the optimizer offload and
-    the engine KV pool change with the cluster size (reasons at each caller)."""
+def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int, time_shared: bool) -> TrainConfig:
+    """The MarsRL recipe on `gpus` GPUs; only the expert parallelism, the optimizer offload, the
+    engine KV pool and the time sharing change (reasons at each caller)."""
     return TrainConfig(
         run=RunConfig(
             steps=200,  # placeholder length: MarsRL gives no step count; one epoch = dataset rows / 128
@@ -128,8 +138,10 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             base_gpu_id=0,
             gpus_per_node=8,  # H100 nodes of 8 GPUs
             host="127.0.0.1",  # one node; multi-node launches override it (module docstring)
-            max_total_tokens=kv_tokens,  # the binding size of the pool (per size below); SGLang sizes it at start
-            mem_fraction_static=0.6,  # only an upper bound (48 GiB of weights + KV + what is resident then)
+            max_total_tokens=kv_tokens,  # the binding size of the pool (per caller); SGLang sizes it at start
+            # only an upper bound: weights + KV + what is resident when SGLang sizes its pool
+            # (time-shared: the trainer's CUDA context only; 0.88 x 80 GiB covers 7.2 + 58.5 + 3.5)
+            mem_fraction_static=0.88,
             startup_timeout=1200.0,  # loading 61 GB and capturing CUDA graphs takes minutes
             seed=0,
         ),
@@ -148,12 +160,15 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
             # MarsRL generates 64k outputs as 4 x 16k segments: a sample still running after 16k
             # tokens continues with the next step's weights; its older tokens are masked.
             segment_tokens=16384,
+            time_shared=time_shared,  # colocated recipes: trainer and engines take turns on the GPUs
         ),
         scheduler=SchedulerConfig(
             # tokens of one packed row: one 64k output plus a 4k prompt, or any mix of shorter sequences summing to it
             token_budget=MAX_OUTPUT_TOKENS + PROMPT_ALLOWANCE,
             max_sequences=None,  # only the token budget limits packing
-            overlap=True,  # train finished groups while the rest is generated (the point of the scheduler)
+            # split recipes: train finished groups while the rest is generated (the point of the
+            # scheduler); time-shared ones cannot (the trainer is off the GPU during the rollout)
+            overlap=not time_shared,
             round_balance=0.9,  # early rounds: lockstep ranks wait for the largest micro-batch, keep it within 10%
         ),
         policy=PolicyConfig(
@@ -168,24 +183,28 @@ def _marsrl(gpus: int, *, ep: int, offload: float, kv_tokens: int) -> TrainConfi
 
 def qwen3_30b_a3b_h100x8() -> TrainConfig:
     """1 node: 16 experts per GPU and no second expert-data-parallel rank to shard Adam over,
-    so the whole optimizer state lives in host memory. The tightest size: trainer state,
-    training's transient peak, the engine and the reserve leave 12 GiB per GPU for KV."""
+    so half of the optimizer state lives in host memory. The tightest size: the train phase
+    peaks at 71.5 GiB per GPU."""
     return _marsrl(
         8,
         ep=8,  # all experts split over the node's 8 GPUs (NVLink all-to-all)
-        offload=1.0,  # Adam for 3.6B local expert params is 43 GiB per GPU: keep it all on the host
-        kv_tokens=524288,  # 8 x 64k (12 GiB/GPU): the most that keeps the 6 GiB reserve free (~554k, dry run)
+        # Adam for 3.6B local expert params is 43 GiB per GPU: half on the host puts the train
+        # phase at 71.5 GiB (the GPU is the trainer's alone then: the engines released theirs)
+        offload=0.5,
+        kv_tokens=TIME_SHARED_KV_TOKENS,
+        time_shared=True,  # 28664 s/step in the pipeline, against 122166 resident with overlap (dry run)
     )
 
 
 def qwen3_30b_a3b_h100x16() -> TrainConfig:
-    """2 nodes: experts split 16 ways across both nodes; three quarters of the Adam state still
-    on the host."""
+    """2 nodes: experts split 16 ways across both nodes; the Adam state fits on the GPUs in the
+    train phase."""
     return _marsrl(
         16,
         ep=16,  # 8 experts per GPU: halves the bf16 params and fp32 grads that EP8 would keep
-        offload=0.75,  # Adam is 21 GiB per GPU; with half of it here the reserve leaves < 2 x 64k of KV
-        kv_tokens=720896,  # 11 x 64k: what the dry run leaves with the 6 GiB reserve (~763k tokens)
+        offload=0.0,  # Adam is 21 GiB per GPU: the train phase peaks at 61.4 GiB with all of it here
+        kv_tokens=TIME_SHARED_KV_TOKENS,
+        time_shared=True,  # 14433 s/step in the pipeline, against 44877 resident with overlap (dry run)
     )
 
 
@@ -195,17 +214,19 @@ def qwen3_30b_a3b_h100x32() -> TrainConfig:
         32,
         ep=32,  # 4 experts per GPU: trainer state 18 GiB per GPU
         offload=0.0,  # Adam for 0.9B local expert params is 10 GiB: no host round trips needed
-        kv_tokens=720896,  # 11 x 64k: what the dry run leaves with the 6 GiB reserve (~751k tokens)
+        kv_tokens=TIME_SHARED_KV_TOKENS,
+        time_shared=True,  # 7329 s/step in the pipeline, against 22472 resident with overlap (dry run)
     )
 
 
 def qwen3_30b_a3b_h100x64() -> TrainConfig:
-    """8 nodes: experts split 64 ways, the least trainer state per GPU and the largest KV pool."""
+    """8 nodes: experts split 64 ways, the least trainer state per GPU."""
     return _marsrl(
         64,
         ep=64,  # 2 experts per GPU: trainer state 10 GiB per GPU
         offload=0.0,  # everything fits on the GPUs
-        kv_tokens=1048576,  # 16 x 64k: what the dry run leaves with the 6 GiB reserve (~1095k tokens)
+        kv_tokens=TIME_SHARED_KV_TOKENS,
+        time_shared=True,  # 3771 s/step in the pipeline, against 8021 resident with overlap (dry run)
     )
 
 
@@ -227,14 +248,14 @@ def _split(config: TrainConfig, gpus: int) -> TrainConfig:
 def qwen3_30b_a3b_h100x32_split() -> TrainConfig:
     """4 nodes split 2 + 6: the trainer has 8 GPUs (the 8-GPU layout and its host Adam), 12 TP2
     engines have the other 24."""
-    return _split(_marsrl(32, ep=8, offload=1.0,
+    return _split(_marsrl(32, ep=8, offload=1.0, time_shared=False,
                           kv_tokens=851968),  # 13 x 64k per TP2 engine: an engine-only GPU at 72.4 GiB (dry run)
                   32)
 
 
 def qwen3_30b_a3b_h100x64_split() -> TrainConfig:
     """8 nodes split 2 + 6: the trainer has 16 GPUs (the 16-GPU layout), 24 TP2 engines have 48."""
-    return _split(_marsrl(64, ep=16, offload=0.75,
+    return _split(_marsrl(64, ep=16, offload=0.75, time_shared=False,
                           kv_tokens=851968),  # 13 x 64k per TP2 engine: an engine-only GPU at 72.4 GiB (dry run)
                   64)
 

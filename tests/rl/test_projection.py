@@ -13,10 +13,22 @@ from megatron_marsrl.rl.simulate import MODES
 
 # 16 problems per step instead of 128: the same memory plan, simulated in a few seconds
 FAST = ("pipeline.problems_per_step=16",)
+# The recipes time-share their GPUs; these tests project them with engines resident next to the
+# trainer and overlap, with the pool a resident trainer leaves (the recipes' earlier settings).
+RESIDENT_CONFIG = {
+    "qwen3_30b_a3b_h100x8": ("optim.cpu_offload_fraction=1.0", "engine.max_total_tokens=524288"),
+    "qwen3_30b_a3b_h100x16": ("optim.cpu_offload_fraction=0.75", "engine.max_total_tokens=720896"),
+    "qwen3_30b_a3b_h100x64": ("engine.max_total_tokens=1048576",),
+}
+
+
+def _resident(name: str) -> list[str]:
+    return ["pipeline.time_shared=false", "scheduler.overlap=true", "engine.mem_fraction_static=0.6",
+            *RESIDENT_CONFIG[name]]
 
 
 def _table(name="qwen3_30b_a3b_h100x64", *overrides, world=64):
-    config = apply_overrides(get_recipe(name), [*FAST, *overrides])
+    config = apply_overrides(get_recipe(name), [*FAST, *_resident(name), *overrides])
     arch, _ = model_arch(config)
     est = estimate(config, arch, world)
     peak = train_and_generate_gib(est, len(config.policy_names()))
@@ -93,9 +105,23 @@ def test_a_split_that_cannot_train_is_left_out_with_the_reason():
 
 
 def test_dry_run_prints_the_table_only_when_asked():
-    config = apply_overrides(get_recipe("qwen3_30b_a3b_h100x16"), list(FAST))
+    config = apply_overrides(get_recipe("qwen3_30b_a3b_h100x16"), [*FAST, *_resident("qwen3_30b_a3b_h100x16")])
     assert "projected step time" not in plan(config, nodes=2, gpus_per_node=8).report
     assert "projected step time" in plan(config, nodes=2, gpus_per_node=8, with_projection=True).report
     # CPU engines: no table
     tiny = get_recipe("tiny_arithmetic")
     assert "projected step time" not in plan(tiny, nodes=1, gpus_per_node=2, with_projection=True).report
+
+
+def test_the_time_shared_recipes_run_their_fastest_row():
+    """The colocated recipes as shipped: time-shared, the agentic pipeline, the pool of the
+    time-shared row; the table's fastest row the trainer runs is theirs."""
+    config = apply_overrides(get_recipe("qwen3_30b_a3b_h100x64"), list(FAST))
+    arch, _ = model_arch(config)
+    est = estimate(config, arch, 64)
+    table = project(config, arch, memory_config(config, arch, 64, kv_cache_tokens=1), est,
+                    train_and_generate_gib(est, 1), nodes=8)
+    assert config_mode(config) == "pipeline (time-shared colocated engines on every node)"
+    row, mode = table.fastest(in_trainer=True)
+    assert (row.placement, mode) == (TIME_SHARED, "pipeline")
+    assert config.engine.max_total_tokens <= row.kv_tokens  # the recipe's pool, within what the row fills
