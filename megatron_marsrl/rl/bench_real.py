@@ -51,7 +51,7 @@ def run_real(args) -> int:
     overrides = {mode: [*args.override, *extra, f"run.steps={steps}"] for mode, extra in MODES.items()}
     sync_config = resolve_config(args.recipe, overrides["sync"])  # fails here, before any run, on a bad override
     records = {mode: _train(args.recipe, mode, overrides[mode], workdir) for mode in MODES}
-    calibration = calibrate(sync_config, records["sync"])
+    calibration = calibrate(sync_config, records["sync"], batches=_batches(workdir / "sync"))
     predicted = predict(calibration.config, steps=steps)
     results = {}
     for mode in MODES:
@@ -79,6 +79,14 @@ def _train(recipe: str, label: str, overrides: list[str], workdir: Path) -> list
     run_dir = workdir / label.replace("+", "_")
     return train_steps(recipe, [f"run.output_dir={run_dir}", "run.progress=false", "run.eval_every=0",
                                 "run.checkpoint_every=0", *overrides], run_dir, label=f"bench pipeline: {label}")
+
+
+def _batches(run_dir: Path) -> list[dict]:
+    """The run's engine batches (in-process engines only; none for SGLang servers)."""
+    from megatron_marsrl.rollout.batcher import BATCH_LOG
+
+    path = run_dir / BATCH_LOG
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def _medians(steps: list[dict]) -> dict:

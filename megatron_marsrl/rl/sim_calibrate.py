@@ -12,9 +12,10 @@ The procedure (the measured `marsrl bench pipeline` runs it; rl/bench_real.py):
        corrector / verifier sample counts), the GPUs that train and that generate;
      * `weight_sync_s`: the step time outside rollout and training (optimizer step, weight
        sync, bookkeeping), the median over steps;
-     * the decode rate. Engines that run one batch at a time (the in-process kinds) log what
-       they ran per step (rollout/engine_*): their rate is row-tokens / busy seconds, and the
-       rollout time they were not busy, per batch, is `batch_overhead_s`. For SGLang servers
+     * the decode rate. Engines that run one batch at a time (the in-process kinds) log each
+       batch (engine_batches.jsonl: rows, longest output, seconds): a line through them gives
+       the rate over row-tokens and a fixed cost per batch, to which the rollout time they
+       were not busy, per batch, adds (`batch_overhead_s`). For SGLang servers
        (continuous batching) the calibration run is simulated at a nominal rate and the rate
        scaled by simulated / measured rollout time (inversely proportional in a sync step);
      * the training rate: scaled the same way by the training time (training after the
@@ -55,9 +56,10 @@ class Calibration:
     """Calibration steps read (the run's first step dropped)."""
 
 
-def calibrate(train_config, records: list[dict], *, seeds: int = 5) -> Calibration:
+def calibrate(train_config, records: list[dict], *, batches: list[dict] = (), seeds: int = 5) -> Calibration:
     """Fit the simulator to `records`, the metrics of a sync run without overlap of
-    `train_config` (first step already dropped)."""
+    `train_config` (first step already dropped), and `batches`, the lines of its
+    engine_batches.jsonl (those of other steps are left out)."""
     if train_config.pipeline.mode != "sync" or train_config.scheduler.overlap:
         raise ValueError("calibrate from a run with pipeline.mode=sync and scheduler.overlap=false: the rates are "
                          "read from rollout and training times that do not overlap")
@@ -69,7 +71,9 @@ def calibrate(train_config, records: list[dict], *, seeds: int = 5) -> Calibrati
         raise ValueError(f"calibration run: rollout {rollout_s:.3g} s and training {train_s:.3g} s per step; "
                          "both must be > 0")
     nominal = workload(train_config, records)
-    batched = _batched_engine(records, rollout_s, engines=nominal.generation_gpus // nominal.gpus_per_engine)
+    steps = {r.get("step") for r in records}
+    batched = _batched_engine([b for b in batches if b.get("step") in steps], rollout_s * len(records),
+                              engines=nominal.generation_gpus // nominal.gpus_per_engine)
     if nominal.engine_batching == "static" and batched:
         nominal = dataclasses.replace(nominal, **batched)
     sim = _runs(nominal, "sync", steps=len(records), seeds=seeds)
@@ -84,19 +88,25 @@ def calibrate(train_config, records: list[dict], *, seeds: int = 5) -> Calibrati
                        steps=len(records))
 
 
-def _batched_engine(records: list[dict], rollout_s: float, *, engines: int) -> dict:
-    """engine_tokens_per_s and batch_overhead_s from what the in-process engines logged per
-    step; empty when they logged nothing (SGLang servers)."""
-    if not all("rollout/engine_batches" in r for r in records):
+def _batched_engine(batches: list[dict], rollout_s: float, *, engines: int) -> dict:
+    """engine_tokens_per_s and batch_overhead_s from the engines' batches (rollout_s: the
+    measured rollout time in all). A least-squares line seconds = intercept + row-tokens / rate
+    over the batches gives the rate and what a batch costs whatever its size (prefill, the
+    generate loop's set-up); the rollout time the engines were not busy, per batch (the
+    batcher's gather window, the agents' turn between stages), adds to that cost."""
+    if not batches:
         return {}
-    batches = sum(r["rollout/engine_batches"] for r in records)
-    busy = sum(r["rollout/engine_busy_s"] for r in records)
-    row_tokens = sum(r["rollout/engine_row_tokens"] for r in records)
-    if not (batches and busy > 0 and row_tokens):
-        return {}
-    # the engines run side by side: per engine, the rollout is its batches and the gaps between
-    idle = max(0.0, rollout_s * len(records) - busy / engines)
-    return {"engine_tokens_per_s": row_tokens / busy, "batch_overhead_s": idle / (batches / engines)}
+    x = [b["rows"] * b["longest"] for b in batches]
+    y = [b["seconds"] for b in batches]
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxx = sum((xi - mx) ** 2 for xi in x)
+    sxy = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y))
+    slope = sxy / sxx if sxx > 0 and sxy > 0 else 0.0
+    intercept = my - slope * mx
+    if slope <= 0 or intercept < 0:  # one batch size, or noise: no intercept, the mean rate
+        slope, intercept = sum(y) / max(sum(x), 1), 0.0
+    idle = max(0.0, rollout_s - sum(y) / engines)
+    return {"engine_tokens_per_s": 1.0 / slope, "batch_overhead_s": intercept + idle / (len(batches) / engines)}
 
 
 def workload(train_config, records: list[dict]) -> SimConfig:

@@ -21,24 +21,21 @@ from typing import Callable
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineUnavailableError
 
 
+BATCH_LOG = "engine_batches.jsonl"
+"""Where a training run writes its engines' batches, one BatchRecord per line with its step
+(in the run directory; rl/trainer.py)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class BatchStats:
-    """What a batcher's engine ran, summed since it started (subtract two for an interval)."""
+class BatchRecord:
+    """One batch an engine ran."""
 
-    batches: int = 0
-    busy_s: float = 0.0
-    """Seconds spent running batches."""
-    row_tokens: int = 0
-    """Rows x the longest output of their batch, summed over batches: the row-steps a static
-    batch decodes (finished rows keep stepping until the batch ends)."""
-
-    def __add__(self, other: BatchStats) -> BatchStats:
-        return BatchStats(batches=self.batches + other.batches, busy_s=self.busy_s + other.busy_s,
-                          row_tokens=self.row_tokens + other.row_tokens)
-
-    def __sub__(self, other: BatchStats) -> BatchStats:
-        return BatchStats(batches=self.batches - other.batches, busy_s=self.busy_s - other.busy_s,
-                          row_tokens=self.row_tokens - other.row_tokens)
+    rows: int
+    """Requests in the batch."""
+    longest: int
+    """Tokens of its longest output: every row steps this many times (finished rows too)."""
+    seconds: float
+    """Wall time of the batch in the engine."""
 
 
 @dataclasses.dataclass
@@ -64,10 +61,10 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # a batch, a weight update or a score: one at a time
         self._closed = False
-        self.batch_sizes: deque[int] = deque(maxlen=10000)
-        """Requests per batch, for the latest batches (tests and benchmarks)."""
-        self.stats = BatchStats()
-        """The batches run so far (the trainer logs them per step)."""
+        self.records: deque[BatchRecord] = deque(maxlen=100000)
+        """The latest batches (the trainer logs them per step; tests)."""
+        self.batches_run = 0
+        """Batches run since the start (more than `records` holds on a long run)."""
         self._worker = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
         self._worker.start()
 
@@ -80,6 +77,12 @@ class DynamicBatcher:
             self._queue.append(_Job(list(requests), future, on_start))
             self._cond.notify()
         return future
+
+    def since(self, count: int) -> tuple[list[BatchRecord], int]:
+        """See BatchedEngine.batches_since."""
+        with self._cond:
+            held = list(self.records)
+            return held[len(held) - min(self.batches_run - count, len(held)):], self.batches_run
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -135,9 +138,11 @@ class DynamicBatcher:
                 for job in jobs:
                     job.future.set_exception(exc)
                 continue
-            self.batch_sizes.append(len(requests))
-            longest = max((len(out.output_ids) for out in outputs), default=0)
-            self.stats += BatchStats(batches=1, busy_s=busy, row_tokens=len(requests) * longest)
+            record = BatchRecord(rows=len(requests), seconds=busy,
+                                 longest=max((len(out.output_ids) for out in outputs), default=0))
+            with self._cond:
+                self.records.append(record)
+                self.batches_run += 1
             start = 0
             for job in jobs:
                 job.future.set_result(outputs[start: start + len(job.requests)])
@@ -164,11 +169,11 @@ class BatchedEngine:
         return self.submit(requests).result()
 
     @property
-    def batch_sizes(self) -> deque[int]:
+    def batch_sizes(self) -> list[int]:
         """Requests per batch of the latest batches."""
-        return self._batcher.batch_sizes
+        return [r.rows for r in self._batcher.records]
 
-    @property
-    def batch_stats(self) -> BatchStats:
-        """The batches this engine ran so far."""
-        return self._batcher.stats
+    def batches_since(self, count: int) -> tuple[list[BatchRecord], int]:
+        """The batches run after the first `count` (as many as are still held), and the count
+        of batches run so far: pass it to the next call."""
+        return self._batcher.since(count)

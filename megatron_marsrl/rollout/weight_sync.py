@@ -49,10 +49,17 @@ class DistributedWeightSender:
         from concurrent.futures import ThreadPoolExecutor
 
         start, nbytes = time.perf_counter(), 0
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            for server in self.servers:
-                server._post("/pause_generation", {"mode": "retract"}, 60)
-                server._ok(server._post("/begin_weight_update", {}, 60), "begin_weight_update")
+        def begin(server) -> None:
+            server._post("/pause_generation", {"mode": "retract"}, 60)
+            server._ok(server._post("/begin_weight_update", {}, 60), "begin_weight_update")
+
+        def end(server) -> None:
+            server._ok(server._post("/end_weight_update", {}, 60), "end_weight_update")
+            server._post("/flush_cache", {}, 60)
+            server._post("/continue_generation", {}, 60)
+
+        with ThreadPoolExecutor(len(self.servers)) as pool:  # each server's calls in order, the servers at once
+            list(pool.map(begin, self.servers))
             try:
                 for bucket in buckets:
                     receives = [pool.submit(s.receive_bucket, bucket, group_name=self.group_name, version=version)
@@ -63,10 +70,7 @@ class DistributedWeightSender:
                     for r in receives:
                         r.result()
             finally:
-                for server in self.servers:
-                    server._ok(server._post("/end_weight_update", {}, 60), "end_weight_update")
-                    server._post("/flush_cache", {}, 60)
-                    server._post("/continue_generation", {}, 60)
+                list(pool.map(end, self.servers))
         for server in self.servers:
             server.weight_version = version
         seconds = time.perf_counter() - start

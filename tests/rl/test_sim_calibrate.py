@@ -23,26 +23,36 @@ def _truth(train_config, batch_overhead_s: float = 0.0) -> SimConfig:
                      weight_sync_s=0.2, batch_overhead_s=batch_overhead_s)
 
 
-def _records(truth: SimConfig, *, engine_metrics: bool = False) -> list[dict]:
-    """metrics.jsonl records of the run `truth` simulates, with the keys the trainer logs (the
-    embedded engine's batches too with `engine_metrics`: one batch per stage here)."""
+def _records(truth: SimConfig) -> list[dict]:
+    """metrics.jsonl records of the run `truth` simulates, with the keys the trainer logs."""
     sync = simulate(truth, modes=("sync",)).modes["sync"]
     g, k, p = truth.group_size, truth.inputs_per_stage, truth.problems_per_step
     samples = {"solver": p * g, "verifier": p * k * g, "corrector": p * k * g}
     n = sum(samples.values())
     records = []
-    for step, rollout in zip(sync.step_s, sync.rollout_s):
-        r = {"time/step": step, "time/rollout": rollout, "time/rollout_and_train": step - truth.weight_sync_s,
-             "tokens/generated": n * truth.max_tokens, "tokens/trained": n * (truth.max_tokens + truth.prompt_tokens),
-             "world/train_gpus": 2.0, "world/rollout_gpus": 1.0}
-        if engine_metrics:
-            r.update({"rollout/engine_batches": 3, "rollout/engine_busy_s": rollout - 3 * truth.batch_overhead_s,
-                      "rollout/engine_row_tokens": n * truth.max_tokens})
+    for step, (total, rollout) in enumerate(zip(sync.step_s, sync.rollout_s), start=2):
+        r = {"step": step, "time/step": total, "time/rollout": rollout,
+             "time/rollout_and_train": total - truth.weight_sync_s, "tokens/generated": n * truth.max_tokens,
+             "tokens/trained": n * (truth.max_tokens + truth.prompt_tokens), "world/train_gpus": 2.0,
+             "world/rollout_gpus": 1.0}
         for role, count in samples.items():
             r.update({f"rollout/{role}/samples": float(count), f"rollout/{role}/response_len": float(truth.max_tokens),
                       f"rollout/{role}/truncated_fraction": 1.0})
         records.append(r)
     return records
+
+
+def _batches(truth: SimConfig, records: list[dict], *, in_engine_s: float) -> list[dict]:
+    """engine_batches.jsonl of that run: one batch per stage, each `in_engine_s` of its
+    per-batch overhead spent inside the engine (the rest between batches), plus one line of a
+    step the calibration must leave out."""
+    g, k, p, length = truth.group_size, truth.inputs_per_stage, truth.problems_per_step, truth.max_tokens
+    lines = [{"step": 1, "rows": 1, "longest": 1, "seconds": 100.0}]
+    for r in records:
+        lines += [{"step": r["step"], "rows": rows, "longest": length,
+                   "seconds": in_engine_s + rows * length / truth.engine_tokens_per_s}
+                  for rows in (p * g, p * k * g, p * k * g)]
+    return lines
 
 
 @pytest.mark.parametrize("engine_metrics", [False, True])
@@ -51,7 +61,9 @@ def test_calibration_recovers_the_rates_of_a_known_run_and_predicts_its_modes(en
     rate and per-batch overhead are read from it (the overhead is invisible otherwise)."""
     train_config = resolve_config("tiny_arithmetic", SYNC)
     truth = _truth(train_config, batch_overhead_s=0.05 if engine_metrics else 0.0)
-    fitted = calibrate(train_config, _records(truth, engine_metrics=engine_metrics)).config
+    records = _records(truth)
+    batches = _batches(truth, records, in_engine_s=0.02) if engine_metrics else ()
+    fitted = calibrate(train_config, records, batches=batches).config
     assert fitted.batch_overhead_s == pytest.approx(truth.batch_overhead_s, abs=1e-9)
     assert fitted.engine_batching == "static" and fitted.continue_fraction == pytest.approx(1.0)
     assert (fitted.mean_tokens, fitted.max_tokens, fitted.prompt_tokens) == (12, 12, 20)

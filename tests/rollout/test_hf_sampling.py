@@ -85,15 +85,16 @@ def test_the_batch_token_budget_bounds_batches(tiny_hf):
     engine.shutdown()
 
 
-def test_batch_stats_count_batches_busy_time_and_row_tokens(tiny_hf):
-    """What the trainer logs per step (rollout/engine_*): a batch of rows with different
-    lengths counts rows x its longest output."""
+def test_batches_since_records_each_batch_once(tiny_hf):
+    """What the trainer logs per step (engine_batches.jsonl): each batch once, with its rows,
+    its longest output and its time."""
     engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
-    before = engine.batch_stats
+    _, seen = engine.batches_since(0)
     outs = engine.generate([_seeded([1, 2, 3], 7, max_new=5), _seeded([4, 5], 8, max_new=9)])
-    ran = engine.batch_stats - before
-    assert ran.batches == 1 and ran.busy_s > 0
-    assert ran.row_tokens == 2 * max(len(o.output_ids) for o in outs)
+    new, seen = engine.batches_since(seen)
+    assert len(new) == 1 and new[0].rows == 2 and new[0].seconds > 0
+    assert new[0].longest == max(len(o.output_ids) for o in outs)
+    assert engine.batches_since(seen) == ([], seen)
     engine.generate([_seeded([1, 2, 3], 9, max_new=3)])
-    assert (engine.batch_stats - before).batches == 2
+    assert [b.rows for b in engine.batches_since(seen)[0]] == [1]
     engine.shutdown()
