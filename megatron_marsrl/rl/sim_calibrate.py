@@ -14,8 +14,12 @@ The procedure (the measured `marsrl bench pipeline` runs it; rl/bench_real.py):
        sync, bookkeeping), the median over steps;
      * the decode rate. Engines that run one batch at a time (the in-process kinds) log each
        batch (engine_batches.jsonl: rows, longest output, seconds): a line through them gives
-       the rate over row-tokens and a fixed cost per batch, to which the rollout time they
-       were not busy, per batch, adds (`batch_overhead_s`). For SGLang servers
+       the rate over row-tokens; the cost of a batch besides its row-tokens
+       (`batch_overhead_s`) is then set so that the simulated rollout takes the measured time
+       (it also holds what the simulator does not model: extra batches that form when
+       requests miss one another's gather window, the agents' turn between stages). If the
+       fitted rate alone makes the rollout slower than measured, the overhead is 0 and the
+       rate is scaled instead, as for SGLang servers. For SGLang servers
        (continuous batching) the calibration run is simulated at a nominal rate and the rate
        scaled by simulated / measured rollout time (inversely proportional in a sync step);
      * the training rate: scaled the same way by the training time (training after the
@@ -72,41 +76,57 @@ def calibrate(train_config, records: list[dict], *, batches: list[dict] = (), se
                          "both must be > 0")
     nominal = workload(train_config, records)
     steps = {r.get("step") for r in records}
-    batched = _batched_engine([b for b in batches if b.get("step") in steps], rollout_s * len(records),
-                              engines=nominal.generation_gpus // nominal.gpus_per_engine)
-    if nominal.engine_batching == "static" and batched:
-        nominal = dataclasses.replace(nominal, **batched)
+    rate = _engine_rate([b for b in batches if b.get("step") in steps])
+    if nominal.engine_batching == "static" and rate is not None:
+        nominal = _fit_batch_overhead(dataclasses.replace(nominal, engine_tokens_per_s=rate), rollout_s, seeds=seeds)
+    batched = nominal.batch_overhead_s > 0  # else the decode rate is scaled to the rollout time
     sim = _runs(nominal, "sync", steps=len(records), seeds=seeds)
     sim_rollout = statistics.fmean(t for run in sim for t in run.rollout_s)
     sim_train = statistics.fmean(step - roll - nominal.weight_sync_s for run in sim
                                  for step, roll in zip(run.step_s, run.rollout_s))
     rates = {"train_tokens_per_s_per_gpu": NOMINAL_RATE * sim_train / train_s}
-    if not (nominal.engine_batching == "static" and batched):
+    if not batched:
         decode = "engine_tokens_per_s" if nominal.engine_batching == "static" else "decode_tokens_per_s"
         rates[decode] = NOMINAL_RATE * sim_rollout / rollout_s
     return Calibration(config=dataclasses.replace(nominal, **rates), rollout_s=rollout_s, train_s=train_s,
                        steps=len(records))
 
 
-def _batched_engine(batches: list[dict], rollout_s: float, *, engines: int) -> dict:
-    """engine_tokens_per_s and batch_overhead_s from the engines' batches (rollout_s: the
-    measured rollout time in all). A least-squares line seconds = intercept + row-tokens / rate
-    over the batches gives the rate and what a batch costs whatever its size (prefill, the
-    generate loop's set-up); the rollout time the engines were not busy, per batch (the
-    batcher's gather window, the agents' turn between stages), adds to that cost."""
+def _engine_rate(batches: list[dict]) -> float | None:
+    """Row-tokens/s of the engines over their batches: the slope of a least-squares line
+    seconds = a + row-tokens / rate (the marginal rate; a batch also costs a fixed amount,
+    fitted in `_fit_batch_overhead`), or the mean rate when the batches do not spread enough
+    to draw the line. None without batches."""
     if not batches:
-        return {}
+        return None
     x = [b["rows"] * b["longest"] for b in batches]
     y = [b["seconds"] for b in batches]
     mx, my = statistics.fmean(x), statistics.fmean(y)
     sxx = sum((xi - mx) ** 2 for xi in x)
     sxy = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y))
-    slope = sxy / sxx if sxx > 0 and sxy > 0 else 0.0
-    intercept = my - slope * mx
-    if slope <= 0 or intercept < 0:  # one batch size, or noise: no intercept, the mean rate
-        slope, intercept = sum(y) / max(sum(x), 1), 0.0
-    idle = max(0.0, rollout_s - sum(y) / engines)
-    return {"engine_tokens_per_s": 1.0 / slope, "batch_overhead_s": intercept + idle / (len(batches) / engines)}
+    if sxx > 0 and sxy > 0 and my - sxy / sxx * mx >= 0:
+        return sxx / sxy
+    return sum(x) / sum(y) if sum(y) > 0 and sum(x) > 0 else None
+
+
+def _fit_batch_overhead(config: SimConfig, rollout_s: float, *, seeds: int) -> SimConfig:
+    """`config` with the batch_overhead_s whose simulated sync rollout takes `rollout_s` per
+    step (bisection; the rollout grows with it). It holds what a batch costs besides its
+    row-tokens: prefill and set-up in the engine, the batcher's gather window, the agents' turn
+    between stages, and the batches that form when requests miss one another's window (the
+    simulator forms one batch per wave of requests)."""
+    def rollout(overhead: float) -> float:
+        runs = _runs(dataclasses.replace(config, batch_overhead_s=overhead), "sync", steps=config.measured_steps,
+                     seeds=seeds)
+        return statistics.fmean(t for run in runs for t in run.rollout_s)
+
+    lo, hi = 0.0, rollout_s
+    if rollout(lo) >= rollout_s:
+        return config
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rollout(mid) < rollout_s else (lo, mid)
+    return dataclasses.replace(config, batch_overhead_s=(lo + hi) / 2)
 
 
 def workload(train_config, records: list[dict]) -> SimConfig:
