@@ -12,14 +12,14 @@ step holds one stage of many trajectories while a sync step holds whole trajecto
 figure to compare across modes is samples/s (trained samples per second of wall time); step
 time and the trainer's idle fraction are reported too.
 
-The sync run also calibrates the step-time simulator (rl/sim_calibrate.py: the workload and
-the decode and training rates, read from its metrics); the simulator then predicts each mode's
-median step time, rollout time and samples/s, printed next to the measured ones with the
-relative error. The sync row checks the fit (means fitted, medians compared); the two pipeline
-rows are predictions: their batching, step composition and overlap are the simulator's.
-The workload is fitted on the same seed because it is a property of the problems drawn (how
-often the Verifier flags an error sets how many Corrector samples a step has), not of the
-system: a calibration run on other problems predicts other step times.
+The sync run also calibrates the step-time simulator (rl/sim_calibrate.py: the decode and
+training rates and the step's fixed time, read from its metrics); the simulator then predicts
+each mode's median step time, rollout time and samples/s, printed next to the measured ones
+with the relative error. The sync row checks the fit (means fitted, medians compared); the two
+pipeline rows are predictions: their batching, step composition and overlap are the
+simulator's. What the policy generated in each mode (lengths, how often the Verifier flagged
+an error and so how many Corrector samples a step had) is read from that mode's own run: it is
+the workload the step times are predicted for, not a property of the system.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ COMPARED = {"time/step": "step_s", "time/rollout": "rollout_s", "throughput/samp
 
 def run_real(args) -> int:
     from megatron_marsrl.rl.bench_throughput import resolve_config
-    from megatron_marsrl.rl.sim_calibrate import calibrate, predict
+    from megatron_marsrl.rl.sim_calibrate import calibrate, predict, shape
 
     steps = args.steps or 6
     if steps < 2:
@@ -51,8 +51,9 @@ def run_real(args) -> int:
     overrides = {mode: [*args.override, *extra, f"run.steps={steps}"] for mode, extra in MODES.items()}
     sync_config = resolve_config(args.recipe, overrides["sync"])  # fails here, before any run, on a bad override
     records = {mode: _train(args.recipe, mode, overrides[mode], workdir) for mode in MODES}
-    calibration = calibrate(sync_config, records["sync"], batches=_batches(workdir / "sync"))
-    predicted = predict(calibration.config, steps=steps)
+    calibration = calibrate(sync_config, records["sync"])
+    predicted = predict(calibration.config, steps=steps,
+                        shapes={mode: shape(sync_config, records[mode]) for mode in MODES})
     results = {}
     for mode in MODES:
         results[mode] = _medians(records[mode])
@@ -79,14 +80,6 @@ def _train(recipe: str, label: str, overrides: list[str], workdir: Path) -> list
     run_dir = workdir / label.replace("+", "_")
     return train_steps(recipe, [f"run.output_dir={run_dir}", "run.progress=false", "run.eval_every=0",
                                 "run.checkpoint_every=0", *overrides], run_dir, label=f"bench pipeline: {label}")
-
-
-def _batches(run_dir: Path) -> list[dict]:
-    """The run's engine batches (in-process engines only; none for SGLang servers)."""
-    from megatron_marsrl.rollout.batcher import BATCH_LOG
-
-    path = run_dir / BATCH_LOG
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def _medians(steps: list[dict]) -> dict:

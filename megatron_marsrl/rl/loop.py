@@ -58,7 +58,7 @@ def train(config: TrainConfig, *, resume: bool = False) -> dict:
             metrics.update(trainer.optimizer_step())                 # (the last) update per policy
             metrics.update(trainer.sync_weights(step + 1, trainer.probe(samples)))  # -> engines
             step += 1
-            metrics.update(trainer.rollout_metrics(step, samples, metrics, time.perf_counter() - begin))
+            metrics.update(trainer.rollout_metrics(samples, metrics, time.perf_counter() - begin))
             observer.log(step, metrics)
             last = metrics
             if config.run.eval_every and step % config.run.eval_every == 0:

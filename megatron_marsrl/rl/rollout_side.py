@@ -71,8 +71,6 @@ class RolloutSide:
         self.eval_problems = dataset_from_spec(config.task.eval)[: config.task.eval_size] if config.task.eval else []
         self._snapshot = self.state_dict()
         self._served: list[int] = []
-        self._batches_seen: dict[int, int] = {}
-        """Batches each in-process engine had run at the last `engine_batches` call."""
 
     def attach_remote(self, urls: dict[str, list[str]], hf_dir: str) -> None:
         """Add the other nodes' SGLang servers (rl/node_engines.py) to each policy's pool; they
@@ -92,17 +90,6 @@ class RolloutSide:
         before = self._served + [0] * (len(now) - len(self._served))
         self._served = now
         return sum(a > b for a, b in zip(now, before))
-
-    def engine_batches(self) -> list:
-        """The batches the in-process engines (one batch at a time) of every policy ran since
-        the last call (BatchRecord). SGLang servers batch continuously and report none."""
-        from megatron_marsrl.rollout.batcher import BatchedEngine
-
-        out = []
-        for engine in (e for pool in self.pools.values() for e in pool.engines if isinstance(e, BatchedEngine)):
-            records, self._batches_seen[id(engine)] = engine.batches_since(self._batches_seen.get(id(engine), 0))
-            out += records
-        return out
 
     def start_step(self, step: int) -> None:
         """Take the step's problems and start generating (the state before is kept so that a

@@ -12,23 +12,23 @@ The procedure (the measured `marsrl bench pipeline` runs it; rl/bench_real.py):
        corrector / verifier sample counts), the GPUs that train and that generate;
      * `weight_sync_s`: the step time outside rollout and training (optimizer step, weight
        sync, bookkeeping), the median over steps;
-     * the decode rate. Engines that run one batch at a time (the in-process kinds) log each
-       batch (engine_batches.jsonl: rows, longest output, seconds): a line through them gives
-       the rate over row-tokens; the cost of a batch besides its row-tokens
-       (`batch_overhead_s`) is then set so that the simulated rollout takes the measured time
-       (it also holds what the simulator does not model: extra batches that form when
-       requests miss one another's gather window, the agents' turn between stages). If the
-       fitted rate alone makes the rollout slower than measured, the overhead is 0 and the
-       rate is scaled instead, as for SGLang servers. For SGLang servers
-       (continuous batching) the calibration run is simulated at a nominal rate and the rate
-       scaled by simulated / measured rollout time (inversely proportional in a sync step);
-     * the training rate: scaled the same way by the training time (training after the
-       rollout, inversely proportional to its rate).
+     * the two rates: the calibration run is simulated at nominal rates, then each rate is
+       scaled by simulated / measured time: the decode rate (`engine_tokens_per_s` for the
+       in-process engines, which batch statically; `decode_tokens_per_s` for SGLang servers)
+       by the rollout time, the training rate by the training time. In a sync step without
+       overlap each time is inversely proportional to its rate, so one scaling fits it (on
+       average over the steps). The decode rate so holds everything the rollout spends
+       besides decoding (prefill, the batcher's gather window, the agents' turn between
+       stages) in proportion to the row-tokens decoded.
   3. Everything else comes from the recipe: problems per step, G, k, S, segment rollout, the
      scheduler's token budget, shared or per-role policies, the engines' batching and
      concurrency, the training layout.
   4. The prediction simulates each mode with the fitted config over the steps the bench
-     measures (its first step dropped) and takes the median over `seeds` simulations.
+     measures (its first step dropped) and takes the median over `seeds` simulations. What
+     the policy generated (lengths, prompts, continuation: `shape`) is read from each mode's
+     own run: the policy trains differently in each mode, and its outputs set the work (a
+     Verifier that flags more errors gives a step more Corrector samples). The rates, the
+     per-batch cost and the step's fixed time come from the calibration run alone.
 
 Not fitted: `colocated_decode_floor` (how a colocated GPU is shared while both decode and
 training run; the simulator's rule is that decoding keeps priority). The calibration run has no
@@ -60,10 +60,9 @@ class Calibration:
     """Calibration steps read (the run's first step dropped)."""
 
 
-def calibrate(train_config, records: list[dict], *, batches: list[dict] = (), seeds: int = 5) -> Calibration:
+def calibrate(train_config, records: list[dict], *, seeds: int = 5) -> Calibration:
     """Fit the simulator to `records`, the metrics of a sync run without overlap of
-    `train_config` (first step already dropped), and `batches`, the lines of its
-    engine_batches.jsonl (those of other steps are left out)."""
+    `train_config` (first step already dropped)."""
     if train_config.pipeline.mode != "sync" or train_config.scheduler.overlap:
         raise ValueError("calibrate from a run with pipeline.mode=sync and scheduler.overlap=false: the rates are "
                          "read from rollout and training times that do not overlap")
@@ -75,78 +74,46 @@ def calibrate(train_config, records: list[dict], *, batches: list[dict] = (), se
         raise ValueError(f"calibration run: rollout {rollout_s:.3g} s and training {train_s:.3g} s per step; "
                          "both must be > 0")
     nominal = workload(train_config, records)
-    steps = {r.get("step") for r in records}
-    rate = _engine_rate([b for b in batches if b.get("step") in steps])
-    if nominal.engine_batching == "static" and rate is not None:
-        nominal = _fit_batch_overhead(dataclasses.replace(nominal, engine_tokens_per_s=rate), rollout_s, seeds=seeds)
-    batched = nominal.batch_overhead_s > 0  # else the decode rate is scaled to the rollout time
     sim = _runs(nominal, "sync", steps=len(records), seeds=seeds)
     sim_rollout = statistics.fmean(t for run in sim for t in run.rollout_s)
     sim_train = statistics.fmean(step - roll - nominal.weight_sync_s for run in sim
                                  for step, roll in zip(run.step_s, run.rollout_s))
-    rates = {"train_tokens_per_s_per_gpu": NOMINAL_RATE * sim_train / train_s}
-    if not batched:
-        decode = "engine_tokens_per_s" if nominal.engine_batching == "static" else "decode_tokens_per_s"
-        rates[decode] = NOMINAL_RATE * sim_rollout / rollout_s
-    return Calibration(config=dataclasses.replace(nominal, **rates), rollout_s=rollout_s, train_s=train_s,
-                       steps=len(records))
+    decode = "engine_tokens_per_s" if nominal.engine_batching == "static" else "decode_tokens_per_s"
+    fitted = dataclasses.replace(nominal, **{decode: NOMINAL_RATE * sim_rollout / rollout_s,
+                                             "train_tokens_per_s_per_gpu": NOMINAL_RATE * sim_train / train_s})
+    return Calibration(config=fitted, rollout_s=rollout_s, train_s=train_s, steps=len(records))
 
 
-def _engine_rate(batches: list[dict]) -> float | None:
-    """Row-tokens/s of the engines over their batches: the slope of a least-squares line
-    seconds = a + row-tokens / rate (the marginal rate; a batch also costs a fixed amount,
-    fitted in `_fit_batch_overhead`), or the mean rate when the batches do not spread enough
-    to draw the line. None without batches."""
-    if not batches:
-        return None
-    x = [b["rows"] * b["longest"] for b in batches]
-    y = [b["seconds"] for b in batches]
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    sxx = sum((xi - mx) ** 2 for xi in x)
-    sxy = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y))
-    if sxx > 0 and sxy > 0 and my - sxy / sxx * mx >= 0:
-        return sxx / sxy
-    return sum(x) / sum(y) if sum(y) > 0 and sum(x) > 0 else None
-
-
-def _fit_batch_overhead(config: SimConfig, rollout_s: float, *, seeds: int) -> SimConfig:
-    """`config` with the batch_overhead_s whose simulated sync rollout takes `rollout_s` per
-    step (bisection; the rollout grows with it). It holds what a batch costs besides its
-    row-tokens: prefill and set-up in the engine, the batcher's gather window, the agents' turn
-    between stages, and the batches that form when requests miss one another's window (the
-    simulator forms one batch per wave of requests)."""
-    def rollout(overhead: float) -> float:
-        runs = _runs(dataclasses.replace(config, batch_overhead_s=overhead), "sync", steps=config.measured_steps,
-                     seeds=seeds)
-        return statistics.fmean(t for run in runs for t in run.rollout_s)
-
-    lo, hi = 0.0, rollout_s
-    if rollout(lo) >= rollout_s:
-        return config
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rollout(mid) < rollout_s else (lo, mid)
-    return dataclasses.replace(config, batch_overhead_s=(lo + hi) / 2)
-
-
-def workload(train_config, records: list[dict]) -> SimConfig:
-    """The run's workload and layout as a SimConfig, rates at NOMINAL_RATE."""
+def shape(train_config, records: list[dict]) -> dict:
+    """What the policy generated in a run, as SimConfig fields: output lengths (mean and
+    truncated share over every role, weighted by samples), prompt tokens per sample, and the
+    share of trajectories that go on after a Verifier."""
     roles = sorted({key.split("/")[1] for r in records for key in r
                     if key.startswith("rollout/") and key.endswith("/samples") and key.count("/") == 2})
     samples = {role: sum(r.get(f"rollout/{role}/samples", 0.0) for r in records) for role in roles}
     total = sum(samples.values())
     if not total:
-        raise ValueError("the calibration run logged no rollout samples (rollout/<role>/samples)")
+        raise ValueError("the run logged no rollout samples (rollout/<role>/samples)")
 
     def weighted(name: str) -> float:
         return sum(r.get(f"rollout/{role}/{name}", 0.0) * r.get(f"rollout/{role}/samples", 0.0)
                    for r in records for role in roles) / total
 
+    rollout = train_config.rollout
+    lengths = LengthModel.fit(mean_tokens=max(1.0, weighted("response_len")), max_tokens=rollout.sampling.max_tokens,
+                              truncated_fraction=weighted("truncated_fraction"))
+    return {"mean_tokens": lengths.mean_tokens, "length_sigma": lengths.sigma,
+            "prompt_tokens": max(0, round(sum(r["tokens/trained"] - r["tokens/generated"] for r in records) / total)),
+            "continue_fraction": continue_fraction(samples.get("verifier", 0.0), samples.get("corrector", 0.0),
+                                                   rollout.max_stages)}
+
+
+def workload(train_config, records: list[dict]) -> SimConfig:
+    """The run's workload and layout as a SimConfig, rates at NOMINAL_RATE."""
     rollout, engine = train_config.rollout, train_config.engine
     max_tokens = rollout.sampling.max_tokens
-    lengths = LengthModel.fit(mean_tokens=max(1.0, weighted("response_len")), max_tokens=max_tokens,
-                              truncated_fraction=weighted("truncated_fraction"))
-    prompt = max(0, round(sum(r["tokens/trained"] - r["tokens/generated"] for r in records) / total))
+    generated = shape(train_config, records)
+    prompt = generated["prompt_tokens"]
     train_gpus, rollout_gpus = int(records[0]["world/train_gpus"]), int(records[0]["world/rollout_gpus"])
     gpus_per_engine = 1 if engine.kind == "hf" else engine.tp_size
     if engine.placement == "split":
@@ -162,10 +129,7 @@ def workload(train_config, records: list[dict]) -> SimConfig:
     return SimConfig(
         seed=train_config.run.seed, measured_steps=len(records), problems_per_step=train_config.pipeline.problems_per_step,
         group_size=rollout.group_size, inputs_per_stage=rollout.inputs_per_stage, max_stages=rollout.max_stages,
-        continue_fraction=continue_fraction(samples.get("verifier", 0.0), samples.get("corrector", 0.0),
-                                            rollout.max_stages),
-        mean_tokens=lengths.mean_tokens, max_tokens=max_tokens, length_sigma=lengths.sigma,
-        prompt_tokens=prompt, segment_tokens=train_config.pipeline.segment_tokens, **placement,
+        **generated, max_tokens=max_tokens, segment_tokens=train_config.pipeline.segment_tokens, **placement,
         gpus_per_engine=gpus_per_engine, engine_concurrency=concurrency, engine_batching=engine.batching,
         engine_tokens_per_s=NOMINAL_RATE, decode_tokens_per_s=NOMINAL_RATE,
         train_gpus_per_replica=train_gpus // train_config.parallel.dp(train_gpus),
@@ -209,11 +173,16 @@ class Prediction:
     """Training rounds released while the rollout still ran."""
 
 
-def predict(config: SimConfig, *, steps: int, seeds: int = 5) -> dict[str, Prediction]:
-    """Each mode over the steps the measured bench keeps: `steps` run, the first dropped."""
+def predict(config: SimConfig, *, steps: int, seeds: int = 5,
+            shapes: dict[str, dict] | None = None) -> dict[str, Prediction]:
+    """Each mode over the steps the measured bench keeps: `steps` run, the first dropped.
+    `shapes`: per mode, what its own run generated (`shape`), in place of the calibration
+    run's: the policy trains differently in each mode and generates other outputs (how often
+    the Verifier flags an error sets how many Corrector samples a step has)."""
     out = {}
     for mode in MODES:
-        runs = _runs(config, mode, steps=steps - 1, seeds=seeds, warmup=1)
+        mode_config = dataclasses.replace(config, **(shapes or {}).get(mode, {}))
+        runs = _runs(mode_config, mode, steps=steps - 1, seeds=seeds, warmup=1)
         out[mode] = Prediction(mode=mode, step_s=statistics.median(r.median_step_s for r in runs),
                                rollout_s=statistics.median(r.median_rollout_s for r in runs),
                                samples_per_s=statistics.median(r.samples_per_s for r in runs),

@@ -26,8 +26,7 @@ Model, every assumption a `SimConfig` field:
     `decode_tokens_per_s` tokens/s and requests wait FIFO for a free slot. "static" (the
     embedded engine's batcher): an engine runs one batch at a time, made of the requests
     waiting when it starts; every row steps until the batch's longest output is done, and
-    the batch's row-tokens are decoded at `engine_tokens_per_s` (compute-bound, as on CPU),
-    plus `batch_overhead_s` per batch.
+    the batch's row-tokens are decoded at `engine_tokens_per_s` (compute-bound, as on CPU).
     Prefill time and KV-cache pressure below the concurrency cap are ignored.
   * Training: data-parallel replicas of `train_gpus_per_replica` GPUs running rounds of the
     scheduler in lockstep; a round lasts its largest micro-batch's tokens (sequences packed
@@ -122,10 +121,6 @@ class SimConfig:
     """Static batching only: tokens/s one engine decodes over a batch's rows (finished rows
     keep stepping until the batch ends, so a batch of n rows whose longest output is L takes
     n x L / engine_tokens_per_s)."""
-    batch_overhead_s: float = 0.0
-    """Static batching only: seconds each batch adds to the rollout besides decoding (the
-    batcher's gather window, prefill, handing the outputs to the agents and their next
-    requests back)."""
     train_gpus_per_replica: int = 8
     """GPUs per data-parallel training replica (EP=8 inside a node)."""
     train_tokens_per_s_per_gpu: float = 4000.0
@@ -157,8 +152,8 @@ class SimConfig:
         for name in ("continue_fraction", "colocated_decode_floor"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be within [0, 1]")
-        if self.prompt_tokens < 0 or self.weight_sync_s < 0 or self.batch_overhead_s < 0:
-            raise ValueError("prompt_tokens, weight_sync_s and batch_overhead_s must be >= 0")
+        if self.prompt_tokens < 0 or self.weight_sync_s < 0:
+            raise ValueError("prompt_tokens and weight_sync_s must be >= 0")
         if self.segment_tokens is not None:
             _positive_int("segment_tokens", self.segment_tokens)
         self.length_model()  # validates the length distribution
@@ -464,7 +459,7 @@ def _generate(cfg: SimConfig, lengths: LengthModel, rng: random.Random, open_tra
         while waiting and len(running) < capacity:
             if static:
                 batch = [start(*waiting.popleft()) for _ in range(min(len(waiting), cfg.engine_concurrency))]
-                end = now + cfg.batch_overhead_s + len(batch) * max(n for *_, n in batch) / cfg.engine_tokens_per_s
+                end = now + len(batch) * max(n for *_, n in batch) / cfg.engine_tokens_per_s
             else:
                 batch = [start(*waiting.popleft())]
                 end = now + batch[0][3] / cfg.decode_tokens_per_s

@@ -10,7 +10,6 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -156,6 +155,7 @@ class Trainer:
     def _warm_start(self, warm) -> Path:
         """Supervised fine-tuning of the starting checkpoint (sft.fine_tune on these ranks) into
         run_dir/warm_start/hf, unless a finished one with the same settings is there."""
+        import dataclasses
         import hashlib
         import json
 
@@ -462,11 +462,8 @@ class Trainer:
     def probe(self, samples: list[Sample]) -> dict | None:
         return self.rollout.probe_sequences(samples) if self.rollout is not None else None
 
-    def rollout_metrics(self, step: int, samples: list[Sample], metrics: dict, step_time: float) -> dict:
-        """Per-role rollout statistics and throughput (rank 0). The in-process engines' batches
-        since the last step (an evaluation's count in the step after it) also go to
-        <run>/engine_batches.jsonl, one line per batch (what the step-time simulator's
-        calibration reads, rl/sim_calibrate.py)."""
+    def rollout_metrics(self, samples: list[Sample], metrics: dict, step_time: float) -> dict:
+        """Per-role rollout statistics and throughput (rank 0)."""
         if self.rollout is None:
             return {}
         from megatron_marsrl.rl.rollout_side import sample_metrics
@@ -481,7 +478,6 @@ class Trainer:
                     "rollout/samples": len(samples), "rollout/pending_stage_inputs": len(self.rollout.driver.pending),
                     "rollout/continued_samples": sum(len(set(s.metadata.get("token_versions") or [])) > 1
                                                      for s in samples)})
-        out.update(self._log_engine_batches(step, self.rollout.engine_batches()))
         # Raw per-step figures for `marsrl bench throughput` (tokens/s/GPU, MFU): the lengths of
         # the sequences trained (those with a response), and the devices of each side.
         lengths = [len(s.prompt_token_ids or []) + len(s.response_token_ids) for s in samples if s.response_token_ids]
@@ -518,19 +514,6 @@ class Trainer:
             out[f"{name}/updates"] = float(len(reports))
             out[f"{name}/micro_batches"] = sum(r["micro_batches"] for r in reports)
         return out
-
-    def _log_engine_batches(self, step: int, batches: list) -> dict:
-        """Append the step's engine batches to engine_batches.jsonl; their sums as metrics."""
-        import json
-
-        if not batches:
-            return {}
-        from megatron_marsrl.rollout.batcher import BATCH_LOG
-
-        with open(self.run_dir / BATCH_LOG, "a") as f:
-            f.writelines(json.dumps({"step": step, **dataclasses.asdict(b)}) + "\n" for b in batches)
-        return {"rollout/engine_batches": len(batches), "rollout/engine_busy_s": sum(b.seconds for b in batches),
-                "rollout/engine_row_tokens": sum(b.rows * b.longest for b in batches)}
 
     def sync_weights(self, version: int, probe: dict | None = None) -> dict:
         """Megatron -> engines for every policy; with the probe check after each."""

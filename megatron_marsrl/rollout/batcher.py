@@ -21,23 +21,6 @@ from typing import Callable
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, EngineUnavailableError
 
 
-BATCH_LOG = "engine_batches.jsonl"
-"""Where a training run writes its engines' batches, one BatchRecord per line with its step
-(in the run directory; rl/trainer.py)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchRecord:
-    """One batch an engine ran."""
-
-    rows: int
-    """Requests in the batch."""
-    longest: int
-    """Tokens of its longest output: every row steps this many times (finished rows too)."""
-    seconds: float
-    """Wall time of the batch in the engine."""
-
-
 @dataclasses.dataclass
 class _Job:
     requests: list[EngineRequest]
@@ -61,10 +44,8 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # a batch, a weight update or a score: one at a time
         self._closed = False
-        self.records: deque[BatchRecord] = deque(maxlen=100000)
-        """The latest batches (the trainer logs them per step; tests)."""
-        self.batches_run = 0
-        """Batches run since the start (more than `records` holds on a long run)."""
+        self.batch_sizes: deque[int] = deque(maxlen=10000)
+        """Requests per batch, for the latest batches (tests and benchmarks)."""
         self._worker = threading.Thread(target=self._loop, name=f"{name}-batcher", daemon=True)
         self._worker.start()
 
@@ -77,12 +58,6 @@ class DynamicBatcher:
             self._queue.append(_Job(list(requests), future, on_start))
             self._cond.notify()
         return future
-
-    def since(self, count: int) -> tuple[list[BatchRecord], int]:
-        """See BatchedEngine.batches_since."""
-        with self._cond:
-            held = list(self.records)
-            return held[len(held) - min(self.batches_run - count, len(held)):], self.batches_run
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -131,18 +106,12 @@ class DynamicBatcher:
             requests = [r for job in jobs for r in job.requests]
             try:
                 with self._engine_lock:
-                    began = time.perf_counter()
                     outputs = self._run_batch(requests)
-                    busy = time.perf_counter() - began
             except Exception as exc:  # every caller of the batch gets the error
                 for job in jobs:
                     job.future.set_exception(exc)
                 continue
-            record = BatchRecord(rows=len(requests), seconds=busy,
-                                 longest=max((len(out.output_ids) for out in outputs), default=0))
-            with self._cond:
-                self.records.append(record)
-                self.batches_run += 1
+            self.batch_sizes.append(len(requests))
             start = 0
             for job in jobs:
                 job.future.set_result(outputs[start: start + len(job.requests)])
@@ -169,11 +138,6 @@ class BatchedEngine:
         return self.submit(requests).result()
 
     @property
-    def batch_sizes(self) -> list[int]:
+    def batch_sizes(self) -> deque[int]:
         """Requests per batch of the latest batches."""
-        return [r.rows for r in self._batcher.records]
-
-    def batches_since(self, count: int) -> tuple[list[BatchRecord], int]:
-        """The batches run after the first `count` (as many as are still held), and the count
-        of batches run so far: pass it to the next call."""
-        return self._batcher.since(count)
+        return self._batcher.batch_sizes

@@ -4,13 +4,13 @@ import dataclasses
 import pytest
 
 from megatron_marsrl.rl.bench_throughput import resolve_config
-from megatron_marsrl.rl.sim_calibrate import calibrate, continue_fraction, predict
+from megatron_marsrl.rl.sim_calibrate import calibrate, continue_fraction, predict, shape
 from megatron_marsrl.rl.simulate import SimConfig, simulate
 
 SYNC = ["pipeline.mode=sync", "scheduler.overlap=false", "rollout.sampling.max_tokens=12"]
 
 
-def _truth(train_config, batch_overhead_s: float = 0.0) -> SimConfig:
+def _truth(train_config) -> SimConfig:
     """What a sync run of tiny_arithmetic looks like to the simulator: constant lengths (every
     output truncated), every trajectory going on, known rates."""
     p = train_config.pipeline.problems_per_step
@@ -20,7 +20,7 @@ def _truth(train_config, batch_overhead_s: float = 0.0) -> SimConfig:
                      num_gpus=2, engine_gpus=1, gpus_per_engine=1, engine_batching="static",
                      engine_concurrency=65536 // 32, engine_tokens_per_s=3000.0, train_gpus_per_replica=1,
                      train_tokens_per_s_per_gpu=5000.0, token_budget=train_config.scheduler.token_budget,
-                     weight_sync_s=0.2, batch_overhead_s=batch_overhead_s)
+                     weight_sync_s=0.2)
 
 
 def _records(truth: SimConfig) -> list[dict]:
@@ -42,29 +42,11 @@ def _records(truth: SimConfig) -> list[dict]:
     return records
 
 
-def _batches(truth: SimConfig, records: list[dict], *, in_engine_s: float) -> list[dict]:
-    """engine_batches.jsonl of that run: one batch per stage, each `in_engine_s` of its
-    per-batch overhead spent inside the engine (the rest between batches), plus one line of a
-    step the calibration must leave out."""
-    g, k, p, length = truth.group_size, truth.inputs_per_stage, truth.problems_per_step, truth.max_tokens
-    lines = [{"step": 1, "rows": 1, "longest": 1, "seconds": 100.0}]
-    for r in records:
-        lines += [{"step": r["step"], "rows": rows, "longest": length,
-                   "seconds": in_engine_s + rows * length / truth.engine_tokens_per_s}
-                  for rows in (p * g, p * k * g, p * k * g)]
-    return lines
-
-
-@pytest.mark.parametrize("engine_metrics", [False, True])
-def test_calibration_recovers_the_rates_of_a_known_run_and_predicts_its_modes(engine_metrics):
-    """Without the engine's batch log the decode rate is scaled to the rollout time; with it,
-    rate and per-batch overhead are read from it (the overhead is invisible otherwise)."""
+def test_calibration_recovers_the_rates_of_a_known_run_and_predicts_its_modes():
     train_config = resolve_config("tiny_arithmetic", SYNC)
-    truth = _truth(train_config, batch_overhead_s=0.05 if engine_metrics else 0.0)
+    truth = _truth(train_config)
     records = _records(truth)
-    batches = _batches(truth, records, in_engine_s=0.02) if engine_metrics else ()
-    fitted = calibrate(train_config, records, batches=batches).config
-    assert fitted.batch_overhead_s == pytest.approx(truth.batch_overhead_s, abs=1e-6)
+    fitted = calibrate(train_config, records).config
     assert fitted.engine_batching == "static" and fitted.continue_fraction == pytest.approx(1.0)
     assert (fitted.mean_tokens, fitted.max_tokens, fitted.prompt_tokens) == (12, 12, 20)
     assert fitted.weight_sync_s == pytest.approx(0.2)
@@ -96,3 +78,19 @@ def test_calibration_needs_a_sync_run_without_overlap():
         calibrate(resolve_config("tiny_arithmetic", []), [{"time/step": 1.0}])
     with pytest.raises(ValueError, match="no calibration steps"):
         calibrate(resolve_config("tiny_arithmetic", SYNC), [])
+
+
+def test_each_mode_is_predicted_for_what_its_own_run_generated():
+    """A mode whose run had no Corrector samples (no trajectory went on) is predicted with that
+    workload and the calibration run's rates; the other modes keep the calibration's."""
+    train_config = resolve_config("tiny_arithmetic", SYNC)
+    truth = _truth(train_config)
+    fitted = calibrate(train_config, _records(truth)).config
+    stopped = _records(truth)
+    for r in stopped:
+        r["rollout/corrector/samples"] = 0.0
+    generated = shape(train_config, stopped)
+    assert generated["continue_fraction"] == pytest.approx(0.0, abs=1e-12) and generated["mean_tokens"] == 12
+    base, fewer = predict(fitted, steps=5), predict(fitted, steps=5, shapes={"pipeline": generated})
+    assert fewer["pipeline"].step_s < base["pipeline"].step_s
+    assert fewer["sync"].step_s == base["sync"].step_s

@@ -83,18 +83,3 @@ def test_the_batch_token_budget_bounds_batches(tiny_hf):
     assert all(len(f.result()[0].output_ids) <= 12 for f in futures)
     assert max(engine.batch_sizes) <= 4 and sum(engine.batch_sizes) == 8
     engine.shutdown()
-
-
-def test_batches_since_records_each_batch_once(tiny_hf):
-    """What the trainer logs per step (engine_batches.jsonl): each batch once, with its rows,
-    its longest output and its time."""
-    engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
-    _, seen = engine.batches_since(0)
-    outs = engine.generate([_seeded([1, 2, 3], 7, max_new=5), _seeded([4, 5], 8, max_new=9)])
-    new, seen = engine.batches_since(seen)
-    assert len(new) == 1 and new[0].rows == 2 and new[0].seconds > 0
-    assert new[0].longest == max(len(o.output_ids) for o in outs)
-    assert engine.batches_since(seen) == ([], seen)
-    engine.generate([_seeded([1, 2, 3], 9, max_new=3)])
-    assert [b.rows for b in engine.batches_since(seen)[0]] == [1]
-    engine.shutdown()
