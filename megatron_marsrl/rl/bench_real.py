@@ -58,9 +58,8 @@ def run_real(args) -> int:
     for mode in MODES:
         results[mode] = _medians(records[mode])
         results[mode]["predicted"] = dataclasses.asdict(predicted[mode])
-        results[mode]["error"] = {key: predicted_value / results[mode][key] - 1.0 if results[mode][key] else None
-                                  for key, field in COMPARED.items()
-                                  for predicted_value in [getattr(predicted[mode], field)]}
+        results[mode]["error"] = {key: _relative_error(getattr(predicted[mode], field), results[mode][key])
+                                  for key, field in COMPARED.items()}
     base = results["sync"]["throughput/samples_per_s"]
     for row in results.values():
         row["speedup_samples_per_s"] = row["throughput/samples_per_s"] / base if base else float("nan")
@@ -80,6 +79,11 @@ def _train(recipe: str, label: str, overrides: list[str], workdir: Path) -> list
     run_dir = workdir / label.replace("+", "_")
     return train_steps(recipe, [f"run.output_dir={run_dir}", "run.progress=false", "run.eval_every=0",
                                 "run.checkpoint_every=0", *overrides], run_dir, label=f"bench pipeline: {label}")
+
+
+def _relative_error(predicted: float, measured: float) -> float | None:
+    """predicted / measured - 1 (None when nothing was measured)."""
+    return predicted / measured - 1.0 if measured else None
 
 
 def _medians(steps: list[dict]) -> dict:

@@ -52,7 +52,8 @@ class RolloutEngineConfig:
     max_inflight_per_engine: int = 512
     """Requests in flight per engine; the engine batches them (SGLang: continuous batching)."""
     max_batch_tokens: int = 65536
-    """Embedded engine: prompt + max_new_tokens summed over one batch."""
+    """Embedded engine: prompt + max_new_tokens summed over one batch (raised to
+    max_total_tokens when smaller, so that one request always fits: `batch_tokens`)."""
     deterministic: bool = False
     """SGLang engines honour per-request seeds (``enable_deterministic_inference``): the same
     rollouts after a resume. GPU only (SGLang 0.5.23 has no deterministic CPU attention
@@ -87,7 +88,6 @@ class RolloutEngineConfig:
             raise ValueError(f"{self.num_engines} engines x tp {self.tp_size} from GPU {self.base_gpu_id} need more "
                              f"than the {self.gpus_per_node} GPUs of a node")
 
-
     @property
     def on_every_node(self) -> bool:
         """Whether each node of the run starts its own engines: SGLang servers do (each node's
@@ -103,8 +103,8 @@ class RolloutEngineConfig:
 
     @property
     def batch_tokens(self) -> int:
-        """Static batching: the most prompt + max_new_tokens summed over one batch (as the
-        in-process engines size their batcher)."""
+        """Static batching: the most prompt + max_new_tokens summed over one batch, the budget
+        the in-process engines' batcher gets (at least one whole request)."""
         return max(self.max_batch_tokens, self.max_total_tokens) if self.kind == "hf" else self.max_total_tokens
 
 
@@ -166,7 +166,7 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_s
         from megatron_marsrl.rollout.hf_engine import TransformersEngine
 
         return TransformersEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
-                                  max_batch_tokens=cfg.max_batch_tokens)
+                                  max_batch_tokens=cfg.batch_tokens)
     if cfg.kind == "sglang":
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 

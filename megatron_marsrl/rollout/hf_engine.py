@@ -35,9 +35,13 @@ class TransformersEngine(BatchedEngine):
     def __init__(self, model_dir: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
                  max_total_tokens: int = 4096, max_batch_tokens: int = 65536, device: str | None = None):
         """``max_total_tokens`` bounds one request (prompt + max_new_tokens), ``max_batch_tokens``
-        the sum over a batch. ``device``: default CUDA when available (the current device),
-        else CPU."""
+        the sum over a batch (at least one request's). ``device``: default CUDA when available
+        (the current device), else CPU."""
         import transformers
+
+        if max_batch_tokens < max_total_tokens:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens} < max_total_tokens={max_total_tokens}: a batch "
+                             "must hold one whole request; raise max_batch_tokens")
 
         self.device = torch.device(device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
                                               else "cpu"))
@@ -50,8 +54,7 @@ class TransformersEngine(BatchedEngine):
         self._generator = torch.Generator().manual_seed(seed)
         eos = self.config.eos_token_id
         self._eos = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self._batcher = DynamicBatcher(self._run_batch, token_budget=max(max_batch_tokens, max_total_tokens),
-                                       name="hf-engine")
+        self._batcher = DynamicBatcher(self._run_batch, token_budget=max_batch_tokens, name="hf-engine")
 
     # ---- generation -------------------------------------------------------------------
     def _run_batch(self, requests: list[EngineRequest]) -> list[EngineOutput]:

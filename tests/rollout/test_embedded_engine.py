@@ -111,3 +111,15 @@ def test_a_sync_that_changes_nothing_is_detected(tiny_hf, dtype, optimizer, lr):
     taken = launch("tests.rollout.workers:sync_that_misses_tensors", 1, {**args, "forgetful": False})[0]
     assert taken["error"] is None and taken["readback"] == 2, taken
 
+
+
+def test_batch_budget_holds_one_request_and_comes_from_the_config(tiny_hf):
+    from megatron_marsrl.rollout.factory import RolloutEngineConfig, start_node_engines
+
+    with pytest.raises(ValueError, match="max_batch_tokens=64 < max_total_tokens=128: a batch must hold one"):
+        TransformersEngine(tiny_hf("qwen3"), max_total_tokens=128, max_batch_tokens=64)
+    cfg = RolloutEngineConfig(kind="hf", max_total_tokens=128, max_batch_tokens=64)
+    (engine,) = start_node_engines(cfg, tiny_hf("qwen3"))
+    assert engine._batcher.token_budget == cfg.batch_tokens == 128  # raised to one whole request
+    cfg = RolloutEngineConfig(kind="hf", max_total_tokens=128, max_batch_tokens=512)
+    assert start_node_engines(cfg, tiny_hf("qwen3"))[0]._batcher.token_budget == cfg.batch_tokens == 512
