@@ -5,14 +5,15 @@ sends inside export_hf_buckets) and only rank 0, which holds the engine pools (i
 engines and the other nodes'), receives and applies buckets.
 Memory beyond the model stays at one bucket plus one gathered tensor.
 
-This is the Megatron side; an engine is anything with the RolloutEngine methods it calls
-(``update_weights``, ``score``, ``read_weights``; a pool's ``score_each``), so nothing here
-imports rollout/. The
-engine side of the disaggregated broadcast is rollout/weight_sync.py.
+This is the Megatron side: `sync_weights` sends to anything with ``update_weights`` (an engine
+or a pool), `sync_and_verify` checks an EnginePool (``read_weights``, ``score_each``); nothing
+here imports rollout/ at run time. The engine side of the disaggregated broadcast is
+rollout/weight_sync.py.
 """
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from megatron_marsrl.megatron import hf_mapping
 from megatron_marsrl.megatron.forward import token_logprobs
 from megatron_marsrl.megatron.hf_checkpoint import export_hf_buckets
 from megatron_marsrl.megatron.hf_config import ModelArch
+
+if TYPE_CHECKING:
+    from megatron_marsrl.rollout.pool import EnginePool
 
 
 READBACK_ROWS = 64
@@ -57,10 +61,10 @@ class WeightSyncError(RuntimeError):
     """After a sync the engine does not hold the weights Megatron sent."""
 
 
-def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list[list[int]],
+def sync_and_verify(model, arch: ModelArch, engine: EnginePool | None, *, version: int, probe: list[list[int]],
                     bucket_bytes: int = 256 << 20, tolerance: float = 1e-3, readback: bool = True) -> dict:
-    """Sync, then check that the engine took the weights, two ways (collective; ``probe`` is
-    needed on the engine rank only):
+    """Sync, then check that the engines took the weights, two ways (collective; ``engine``, the
+    policy's pool, and ``probe`` on the engine rank only, None elsewhere):
 
     - read-back: a few rows of :func:`readback_names` read from the engine must equal, bit for
       bit, what Megatron sent (catches a sync that did nothing even when the weights moved by
@@ -79,9 +83,8 @@ def sync_and_verify(model, arch: ModelArch, engine, *, version: int, probe: list
     sent = dict.fromkeys(names)
     report = sync_weights(model, arch, engine, version=version, bucket_bytes=bucket_bytes, keep=sent)
     report["readback"] = _check_readback(engine, sent, version) if names else None
-    each = None
-    if engine is not None:  # a pool's engines each score the probe (other nodes' take weights another way)
-        each = engine.score_each(probe) if hasattr(engine, "score_each") else [engine.score(probe)]
+    # every engine of the pool scores the probe (other nodes' engines take weights another way)
+    each = engine.score_each(probe) if engine is not None else None
     mismatches = [logprob_mismatch(model, probe, scored) for scored in _share(each) or ()]
     worst = max(range(len(mismatches)), key=lambda i: mismatches[i]["mean"])
     report["mismatch"] = mismatches[worst]

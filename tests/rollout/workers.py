@@ -8,6 +8,7 @@ from megatron_marsrl.megatron.verify import build_from_hf
 from megatron_marsrl.megatron.weight_sync import logprob_mismatch, sync_and_verify, sync_weights
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
 from megatron_marsrl.rollout.hf_engine import TransformersEngine
+from megatron_marsrl.rollout.pool import EnginePool
 from tests.megatron.reference_step import train_step
 
 TEMPERATURE = 0.8
@@ -56,7 +57,8 @@ def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
         train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))
     stale = engine.score(seqs) if engine else None
     report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale)
-    report["sync"] = sync_and_verify(model, arch, engine, version=1, probe=seqs, bucket_bytes=bucket_bytes)
+    report["sync"] = sync_and_verify(model, arch, EnginePool([engine]) if engine is not None else None, version=1, probe=seqs,
+                                     bucket_bytes=bucket_bytes)
     report["synced_vs_megatron"] = report["sync"]["mismatch"]
     report["engine_version"] = engine.weight_version if engine else None
     return report
@@ -109,7 +111,8 @@ def sync_that_misses_tensors(hf_dir: str, dtype: str = "float32", optimizer: str
                lambda lp, b: (-lp.mean(), {}))
     tolerance = 1e-3 if dtype == "float32" else 0.1
     try:
-        report = sync_and_verify(model, arch, engine, version=1, probe=[[1, 2, 3, 4, 5, 6]], tolerance=tolerance)
+        report = sync_and_verify(model, arch, EnginePool([engine]), version=1, probe=[[1, 2, 3, 4, 5, 6]],
+                                 tolerance=tolerance)
     except WeightSyncError as exc:
         return {"error": str(exc)}
     return {"error": None, "readback": report["readback"], "mismatch": report["mismatch"]}
