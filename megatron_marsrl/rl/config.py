@@ -65,8 +65,9 @@ class WarmStartConfig:
 
     data: str = "task"
     """"task": the task's demonstrations of its training problems (the arithmetic tasks: each
-    role answering right, `agents/arithmetic.demonstrations`); else a JSONL file of
-    conversations (`marsrl sft` data)."""
+    role answering right, `agents/arithmetic.demonstrations`, each problem in both of the
+    generator's wordings, `rl/data.arithmetic_phrasings`); else a JSONL file of conversations
+    (`marsrl sft` data)."""
     epochs: int = 1
     """Passes over the data."""
     batch_sequences: int = 32

@@ -13,11 +13,13 @@ are for evaluation only and must never be used as training data.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import random
+import re
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ EVAL_PERCENT = 10
 the expression so that train and eval never share one, whatever the seeds and sizes."""
 ARITHMETIC_SPEC = "arithmetic:"
 _TEMPLATES = ("What is {expr}?", "Compute {expr}.")
+_TEMPLATE_PATTERNS = tuple(re.compile(re.escape(t).replace(re.escape("{expr}"), "(?P<expr>[0-9+*() -]+)"))
+                           for t in _TEMPLATES)
 
 
 class DataError(ValueError):
@@ -182,6 +186,18 @@ def arithmetic_problems(n: int, *, seed: int, split: str = "train", max_operand:
         raise DataError(f"arithmetic {split}: found only {len(problems)} distinct problems for n={n}; "
                         "raise max_operand or max_terms")
     return list(problems.values())
+
+
+def arithmetic_phrasings(problems: Sequence[Problem]) -> list[Problem]:
+    """Each generated arithmetic problem in every wording the generator uses ("What is 7 + 5?"
+    and "Compute 7 + 5."; same id and answer), any other problem as it is. The warm start's
+    demonstrations cover both: a tiny model that sees each training expression in both wordings
+    answers held-out expressions better than one trained as long on one wording (README)."""
+    out: list[Problem] = []
+    for p in problems:
+        expr = next((m["expr"] for m in (pattern.fullmatch(p.problem) for pattern in _TEMPLATE_PATTERNS) if m), None)
+        out.extend([dataclasses.replace(p, problem=t.format(expr=expr)) for t in _TEMPLATES] if expr else [p])
+    return out
 
 
 def _evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:

@@ -165,11 +165,11 @@ class Trainer:
         out = self.run_dir / "warm_start"
         if warm.data == "task":
             from megatron_marsrl.agents.arithmetic import demonstrations
-            from megatron_marsrl.rl.data import dataset_from_spec
+            from megatron_marsrl.rl.data import arithmetic_phrasings, dataset_from_spec
             from megatron_marsrl.rl.rollout_side import role_set
 
-            conversations = demonstrations(dataset_from_spec(self.config.task.train), seed=self.config.run.seed,
-                                           roles=role_set(self.config.task.name))
+            conversations = demonstrations(arithmetic_phrasings(dataset_from_spec(self.config.task.train)),
+                                           seed=self.config.run.seed, roles=role_set(self.config.task.name))
         else:
             conversations = sft.load_conversations(warm.data)
         # the conversations themselves are part of the key: a changed file or task reruns it

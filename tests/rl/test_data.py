@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_marsrl.data_types import Problem
-from megatron_marsrl.rl.data import (DataError, ProblemStream, arithmetic_problems, arithmetic_split,
-                                     dataset_from_spec, load_problems)
+from megatron_marsrl.rl.data import (DataError, ProblemStream, arithmetic_phrasings, arithmetic_problems,
+                                     arithmetic_split, dataset_from_spec, load_problems)
 
 _ROOT = Path(__file__).resolve().parents[2]
 _EVAL_DIRS = [_ROOT.parent / "shared" / "data", _ROOT / "shared" / "data"]
@@ -139,6 +139,18 @@ def test_arithmetic_splits_are_disjoint():
         arithmetic_problems(100, seed=0, split="eval", max_terms=2)
     with pytest.raises(DataError, match="split"):
         arithmetic_problems(10, seed=0, split="test")
+
+
+def test_each_arithmetic_problem_in_both_wordings_and_others_as_they_are():
+    problems = arithmetic_problems(30, seed=0, max_terms=3)
+    other = Problem(id="x", problem="What is the capital of France?", answer="Paris")
+    out = arithmetic_phrasings([*problems, other])
+    assert out[-1] == other and len(out) == 2 * len(problems) + 1
+    for p, (a, b) in zip(problems, zip(out[0:-1:2], out[1:-1:2])):
+        expr = p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
+        assert (a.problem, b.problem) == (f"What is {expr}?", f"Compute {expr}.")
+        assert a.id == b.id == p.id and a.answer == b.answer == p.answer
+        assert p in (a, b)
 
 
 def test_dataset_from_spec(tmp_path):

@@ -329,7 +329,7 @@ def test_main_job_warm_starts_then_rl_improves_every_role_on_held_out_problems(t
     balanced accuracy and the Corrector's fix rate; every held-out figure is logged and drawn."""
     run = tmp_path / "run"
     proc = train(run, "run.steps=100", recipe="tiny_arithmetic_sft_rl", timeout=1200)
-    assert "warm start: 1800 SFT steps on 1280 conversations" in proc.stdout
+    assert "warm start: 2400 SFT steps on 2560 conversations" in proc.stdout
     evals = eval_metrics(run)
     assert sorted(evals) == [0, 100]
     first, last = evals[0], evals[100]
