@@ -57,8 +57,8 @@ def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
         train_step(ddp, optimizer, micro, lambda logp, b: (-logp.mean(), {}))
     stale = engine.score(seqs) if engine else None
     report["stale_vs_megatron"] = logprob_mismatch(model, seqs, stale)
-    report["sync"] = sync_and_verify(model, arch, EnginePool([engine]) if engine is not None else None, version=1, probe=seqs,
-                                     bucket_bytes=bucket_bytes)
+    pool = EnginePool([engine]) if engine is not None else None
+    report["sync"] = sync_and_verify(model, arch, pool, version=1, probe=seqs, bucket_bytes=bucket_bytes)
     report["synced_vs_megatron"] = report["sync"]["mismatch"]
     report["engine_version"] = engine.weight_version if engine else None
     return report
