@@ -6,8 +6,9 @@
     marsrl bench learning --variant at_grpo --override loss.old_logprobs=rollout \
                           --variant custom:loss.ratio=sequence,loss.clip_low=3e-4,loss.clip_high=4e-4
 
-Each (variant, seed) is one `marsrl train` run (one after the other); the table (mean +- std
-over seeds) is printed and written with a bar chart to --output.
+Each (variant, seed) is one `marsrl train` run (one after the other; the later runs of a seed
+reuse a copy of its first run's warm start); the table (mean +- std over seeds) is printed and
+written with a bar chart to --output.
 """
 from __future__ import annotations
 
@@ -53,12 +54,17 @@ def _bench(args) -> int:
     bl.check_new(out, variants, seeds)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    warm_starts: dict[int, Path] = {}  # seed -> its first finished warm start
     for variant in variants:
         for seed in seeds:
             overrides = [f"run.steps={args.steps}", *args.override]
-            result = bl.run_one(args.recipe, variant, seed, out, overrides, timeout=args.timeout)
+            result = bl.run_one(args.recipe, variant, seed, out, overrides, timeout=args.timeout,
+                                warm_start=warm_starts.get(seed))
+            if seed not in warm_starts and (done := bl.finished_warm_start(result)) is not None:
+                warm_starts[seed] = done
             figures = "  ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in result.final.items())
-            print(f"{variant} seed {seed}: {figures}  ({result.seconds / 60:.1f} min)", flush=True)
+            warm = f", warm start {result.warm_start_seconds / 60:.1f} min" if result.warm_start_seconds else ""
+            print(f"{variant} seed {seed}: {figures}  ({result.seconds / 60:.1f} min{warm})", flush=True)
             results.append(result)
     command = "marsrl " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "marsrl bench learning"
     print(bl.write_report(results, out, seeds=seeds, command=command))

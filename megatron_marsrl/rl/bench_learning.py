@@ -4,12 +4,18 @@ Runs `marsrl train` once per (variant, seed) on a recipe (the CPU main job by de
 variant a set of config overrides (`VARIANTS`), and reports the final held-out figures as
 mean +- std over seeds: a markdown table (learning.md), a bar chart (learning.png) and one
 JSON record per run (runs.jsonl), all in the output directory next to the runs themselves.
+
+The variants of a seed start from the same warm start (the recipe's supervised fine-tuning, if
+it has one): the first run of a seed trains it and the later ones get a copy, which `marsrl
+train` reuses when its settings match theirs (a variant that changes them trains its own). The
+table's minutes are each run's own, without the warm start it trained.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,6 +66,9 @@ class RunResult:
     first: dict[str, float]
     """The first evaluation's (before any RL step)."""
     seconds: float
+    """The whole run's wall time."""
+    warm_start_seconds: float
+    """The part of it that trained a warm start (0 when it reused a copied one, or has none)."""
     run_dir: str
 
 
@@ -94,14 +103,17 @@ def check_new(out_dir: Path, variants: list[str], seeds: list[int]) -> None:
 
 
 def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list[str], *,
-            timeout: float) -> RunResult:
-    """Train one (variant, seed); raises RuntimeError with the run's output tail if it fails."""
+            timeout: float, warm_start: Path | None = None) -> RunResult:
+    """Train one (variant, seed), starting from a copy of the finished warm start directory
+    `warm_start` if given; raises RuntimeError with the run's output tail if it fails."""
     run_dir = run_dir_of(out_dir, variant, seed)
+    if warm_start is not None:
+        shutil.copytree(warm_start, run_dir / "warm_start")  # keeps file times: a reused one stays older
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, f"run.output_dir={run_dir}",
            f"run.seed={seed}", "run.progress=false", "run.checkpoint_every=0", *overrides,
            *variant_overrides(variant)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"variant {variant} seed {seed} failed (exit {proc.returncode}); log: "
@@ -111,8 +123,18 @@ def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list
         raise RuntimeError(f"variant {variant} seed {seed} logged no held-out evaluation: the recipe needs "
                            "task.eval and run.eval_every > 0")
     pick = lambda r: {k: r[k] for k in METRICS if k in r}  # noqa: E731
+    summary = run_dir / "warm_start" / "summary.json"
+    trained = summary.is_file() and summary.stat().st_mtime >= started_at
     return RunResult(variant=variant, seed=seed, final=pick(evals[-1]), first=pick(evals[0]),
-                     seconds=time.perf_counter() - start, run_dir=str(run_dir))
+                     seconds=time.perf_counter() - start,
+                     warm_start_seconds=json.loads(summary.read_text())["seconds"] if trained else 0.0,
+                     run_dir=str(run_dir))
+
+
+def finished_warm_start(result: RunResult) -> Path | None:
+    """The run's warm start directory if it has a finished one (for the later runs of its seed)."""
+    path = Path(result.run_dir) / "warm_start"
+    return path if (path / "settings.json").is_file() else None
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -123,19 +145,21 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(results: list[RunResult]) -> dict[str, dict[str, tuple[float, float]]]:
-    """variant -> metric -> (mean, std) over seeds of the final figures, plus "seconds"."""
+    """variant -> metric -> (mean, std) over seeds of the final figures, plus "seconds" (the
+    runs' own, without a warm start they trained)."""
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for variant in dict.fromkeys(r.variant for r in results):
         mine = [r for r in results if r.variant == variant]
         row = {m: mean_std([r.final[m] for r in mine if m in r.final]) for m in METRICS
                if any(m in r.final for r in mine)}
-        row["seconds"] = mean_std([r.seconds for r in mine])
+        row["seconds"] = mean_std([r.seconds - r.warm_start_seconds for r in mine])
         out[variant] = row
     return out
 
 
-def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[int], command: str) -> str:
-    """The results table (mean +- std over the seeds)."""
+def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[int], command: str,
+             warm_starts: list[float] = ()) -> str:
+    """The results table (mean +- std over the seeds), and the warm starts trained (seconds)."""
     metrics = [m for m in METRICS if any(m in row for row in summary.values())]
     head = ["variant", *(m[len("eval/"):] for m in metrics), "minutes"]
     lines = [f"`{command}`", "", f"Final held-out figures, mean +- std over seeds {seeds}.", "",
@@ -144,6 +168,9 @@ def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[
         cells = [f"{row[m][0]:.3f} +- {row[m][1]:.3f}" if m in row else "-" for m in metrics]
         minutes = row["seconds"][0] / 60
         lines.append(f"| {variant} | " + " | ".join(cells) + f" | {minutes:.1f} |")
+    if warm_starts:
+        lines += ["", f"Minutes without the warm start: {len(warm_starts)} trained, "
+                  f"{sum(warm_starts) / len(warm_starts) / 60:.1f} min each; the other runs reused a copy."]
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +181,8 @@ def write_report(results: list[RunResult], out_dir: Path, *, seeds: list[int], c
     from megatron_marsrl.rl.plot import bar_chart
 
     summary = summarize(results)
-    text = markdown(summary, seeds=seeds, command=command)
+    text = markdown(summary, seeds=seeds, command=command,
+                    warm_starts=[r.warm_start_seconds for r in results if r.warm_start_seconds > 0])
     (out_dir / "learning.md").write_text(text)
     (out_dir / "runs.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
     groups = {m[len("eval/"):]: {v: row[m] for v, row in summary.items() if m in row} for m in METRICS}

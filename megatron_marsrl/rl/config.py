@@ -60,8 +60,10 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class WarmStartConfig:
     """Supervised fine-tuning before RL, on the run's own ranks (`marsrl sft`'s loop), as real
-    RL runs start from an instruct model. Written to run_dir/warm_start (hf/, metrics.jsonl,
-    tensorboard/) and reused by a resumed or repeated run with the same settings."""
+    RL runs start from an instruct model. Written to run_dir/warm_start (hf/, settings.json,
+    summary.json, metrics.jsonl, tensorboard/) and reused by any run whose run_dir/warm_start
+    holds one with the same settings: a resumed or repeated run, or another run directory it
+    was copied into (`marsrl bench learning` trains one per seed and copies it)."""
 
     data: str = "task"
     """"task": the task's demonstrations of its training problems (the arithmetic tasks: each

@@ -174,7 +174,11 @@ class Trainer:
             conversations = sft.load_conversations(warm.data)
         # the conversations themselves are part of the key: a changed file or task reruns it
         digest = hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
-        settings = {**dataclasses.asdict(warm), "model": str(self.hf_dir), "seed": self.config.run.seed,
+        # the model as configured, not the run's own copy of it (run_dir/initial_model): a warm
+        # start copied into another run directory with the same settings is reused there
+        model = self.config.model
+        source = {"path": model.path, **({"tiny_model": self.config.task.tiny_model} if model.path == "task" else {})}
+        settings = {**dataclasses.asdict(warm), "model": source, "seed": self.config.run.seed,
                     "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
                     "clip_grad": self.config.optim.clip_grad, "conversations_sha256": digest}
         done = out / "hf" / "config.json"
@@ -195,11 +199,13 @@ class Trainer:
         start = time.perf_counter()
         summary = sft.fine_tune(cfg, conversations, quiet=True)
         if self.rank == 0:
+            seconds = time.perf_counter() - start
+            (out / "summary.json").write_text(json.dumps({**summary, "seconds": seconds}, indent=1))
             (out / "settings.json").write_text(json.dumps(settings, indent=1))
             from megatron_marsrl.rl.console import terminal
 
             print(f"warm start: {summary['steps']} SFT steps on {summary['train_examples']} conversations, "
-                  f"loss {summary['train_loss_last']:.3f} at the end ({time.perf_counter() - start:.0f} s): {out}",
+                  f"loss {summary['train_loss_last']:.3f} at the end ({seconds:.0f} s): {out}",
                   file=terminal(), flush=True)
         return out / "hf"
 

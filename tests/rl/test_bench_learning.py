@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,11 +33,13 @@ def test_existing_run_directories_are_refused_before_anything_runs(tmp_path):
 
 
 def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
-    def result(variant, seed, solver, system=None):
+    def result(variant, seed, solver, system=None, warm=0.0):
         final = {"eval/solver/accuracy": solver, **({"eval/system/accuracy": system} if system is not None else {})}
-        return bl.RunResult(variant=variant, seed=seed, final=final, first={}, seconds=60.0 * seed, run_dir="")
+        return bl.RunResult(variant=variant, seed=seed, final=final, first={}, seconds=60.0 * seed + warm,
+                            warm_start_seconds=warm, run_dir="")
 
-    results = [result("drmas", 1, 0.5, 0.6), result("drmas", 2, 0.7, 0.8), result("at_grpo", 1, 0.4)]
+    results = [result("drmas", 1, 0.5, 0.6, warm=90.0), result("drmas", 2, 0.7, 0.8, warm=150.0),
+               result("at_grpo", 1, 0.4)]
     summary = bl.summarize(results)
     assert summary["drmas"]["eval/solver/accuracy"] == pytest.approx((0.6, 0.1414213), abs=1e-6)
     assert summary["at_grpo"]["eval/solver/accuracy"] == (0.4, 0.0)
@@ -44,24 +47,36 @@ def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
     text = bl.write_report(results, tmp_path, seeds=[1, 2], command="marsrl bench learning")
     assert "| drmas | 0.600 +- 0.141 | 0.700 +- 0.141 | 1.5 |" in text
     assert "| at_grpo | 0.400 +- 0.000 | - | 1.0 |" in text
+    assert "Minutes without the warm start: 2 trained, 2.0 min each" in text
     assert (tmp_path / "learning.png").stat().st_size > 1000
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3
 
 
 @pytest.mark.slow
-def test_bench_learning_runs_each_variant_and_reports(tmp_path):
+def test_bench_learning_runs_each_variant_from_its_seeds_warm_start_and_reports(tmp_path):
+    """Two estimators and a variant with another warm start learning rate, one seed, on the main
+    job's recipe cut short: the first run trains the warm start, the second reuses its copy, the
+    third (other settings) trains its own."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "bench", "learning", "--variant", "drmas",
-           "--variant", "at_grpo", "--seeds", "7", "--output", str(out), "--recipe", "tiny_arithmetic", "--steps", "2",
+           "--variant", "at_grpo", "--variant", "custom:advantage.estimator=at_grpo,warm_start.lr=0.001",
+           "--seeds", "7", "--output", str(out), "--steps", "2", "--override", "warm_start.epochs=1",
            "--override", "run.eval_every=2", "--override", "pipeline.problems_per_step=4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert [(r["variant"], r["seed"]) for r in runs] == [("drmas", 7), ("at_grpo", 7)]
-    for r in runs:
+    assert [(r["variant"], r["seed"]) for r in runs] == \
+        [("drmas", 7), ("at_grpo", 7), ("custom:advantage.estimator=at_grpo,warm_start.lr=0.001", 7)]
+    for r, estimator in zip(runs, ("drmas", "at_grpo", "at_grpo")):
         assert 0.0 <= r["final"]["eval/solver/accuracy"] <= 1.0
-        config = json.loads((tmp_path / "bench" / f"{r['variant']}-seed7" / "config.json").read_text())
-        assert config["advantage"]["estimator"] == r["variant"] and config["run"]["seed"] == 7
-        assert config["pipeline"]["mode"] == "sync"
-    assert "| drmas |" in (out / "learning.md").read_text() and (out / "learning.png").is_file()
+        config = json.loads((Path(r["run_dir"]) / "config.json").read_text())
+        assert config["advantage"]["estimator"] == estimator and config["run"]["seed"] == 7
+    assert [json.loads((Path(r["run_dir"]) / "config.json").read_text())["pipeline"]["mode"] for r in runs] == \
+        ["sync", "sync", "pipeline"]
+    first, reused, own = runs
+    assert first["warm_start_seconds"] > 0 and reused["warm_start_seconds"] == 0 and own["warm_start_seconds"] > 0
+    weights = [(Path(r["run_dir"]) / "warm_start" / "hf" / "model.safetensors").read_bytes() for r in runs]
+    assert weights[1] == weights[0] and weights[2] != weights[0]
+    report = (out / "learning.md").read_text()
+    assert "| drmas |" in report and "2 trained" in report and (out / "learning.png").is_file()
