@@ -108,6 +108,14 @@ class ColocatedRollout:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise LayoutError(f"mem_fraction_static={self.mem_fraction_static}: must be in (0, 1)")
 
+    @classmethod
+    def of_engine(cls, engine, *, kv_cache_tokens: int | None = None,
+                  mem_fraction_static: float | None = None) -> ColocatedRollout:
+        """The engines of an engine config (`rollout.factory.RolloutEngineConfig`: its TP, and
+        one byte per weight under FP8 rollout) with the pool given (one of the two)."""
+        return cls(engine_tp=engine.tp_size, kv_cache_tokens=kv_cache_tokens, mem_fraction_static=mem_fraction_static,
+                   weight_bytes=1.0 if engine.quantization == "fp8" else 2.0)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
@@ -404,6 +412,15 @@ def kv_bytes_per_token(arch: ModelArch, rollout: ColocatedRollout) -> float:
     return 2 * arch.num_layers * heads * arch.head_dim * rollout.kv_bytes
 
 
+def static_pool_gib(arch: ModelArch, rollout: ColocatedRollout, gpu_memory_gib: float, *,
+                    taken_gib: float = 0.0) -> float:
+    """SGLang's KV pool under mem_fraction_static: that fraction of the GPU less what is taken
+    when the engine sizes it (``taken_gib`` held by others, then the engine's CUDA context and
+    weights)."""
+    taken = taken_gib + rollout.context_gib + engine_weights_gib(arch, rollout)
+    return max(0.0, rollout.mem_fraction_static * gpu_memory_gib - taken)
+
+
 def _rollout_phase(arch: ModelArch, cfg: MemoryConfig, train: dict) -> dict:
     eng = cfg.rollout
     resident = 0.0 if cfg.offload_trainer_in_rollout else (
@@ -413,8 +430,7 @@ def _rollout_phase(arch: ModelArch, cfg: MemoryConfig, train: dict) -> dict:
     if eng.kv_cache_tokens is not None:
         kv = eng.kv_cache_tokens * kv_token / GIB
     else:
-        before = cfg.framework_gib + resident + eng.context_gib + weights
-        kv = max(0.0, eng.mem_fraction_static * cfg.gpu_memory_gib - before)
+        kv = static_pool_gib(arch, eng, cfg.gpu_memory_gib, taken_gib=cfg.framework_gib + resident)
     other = eng.runtime_gib + eng.context_gib
     return dict(trainer_resident_gib=resident, engine_weights_gib=weights, kv_cache_gib=kv,
                 kv_cache_tokens=int(kv * GIB // kv_token), engine_other_gib=other,

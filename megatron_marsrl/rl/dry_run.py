@@ -43,7 +43,7 @@ from megatron_marsrl import gguf
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.memory import (GIB, ColocatedRollout, MemoryBudgetError, MemoryConfig, MemoryEstimate,
                                              check_fits, engine_weights_gib, estimate_memory, format_report,
-                                             kv_bytes_per_token)
+                                             kv_bytes_per_token, static_pool_gib)
 from megatron_marsrl.megatron.parallel import LayoutError
 from megatron_marsrl.rl.config import TrainConfig
 from megatron_marsrl.rl.projection import format_table, project
@@ -141,15 +141,12 @@ def _engine_only_gib(config: TrainConfig, arch: ModelArch, gpu_memory_gib: float
     """Per-GPU memory of an engine-only GPU (split placement) and its KV pool in tokens: weights,
     the pool (max_total_tokens, capped by what mem_fraction_static leaves), runtime and context."""
     eng = config.engine
-    rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=eng.max_total_tokens,
-                               weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
+    rollout = ColocatedRollout.of_engine(eng, kv_cache_tokens=eng.max_total_tokens)
     weights, per_token = engine_weights_gib(arch, rollout), kv_bytes_per_token(arch, rollout) / GIB
     tokens = eng.max_total_tokens
-    if eng.mem_fraction_static is not None:
-        # SGLang's pool: the fraction of the GPU, less what is taken when it sizes the pool (the
-        # CUDA context and the weights), as memory.py sizes a colocated pool
-        free = eng.mem_fraction_static * gpu_memory_gib - rollout.context_gib - weights
-        tokens = min(tokens, int(max(0.0, free) / per_token))
+    if eng.mem_fraction_static is not None:  # the GPU is the engine's alone
+        by_fraction = ColocatedRollout.of_engine(eng, mem_fraction_static=eng.mem_fraction_static)
+        tokens = min(tokens, int(static_pool_gib(arch, by_fraction, gpu_memory_gib) / per_token))
     return weights + tokens * per_token + rollout.runtime_gib + rollout.context_gib, tokens
 
 
@@ -170,9 +167,8 @@ def memory_config(config: TrainConfig, arch: ModelArch, world_size: int, *,
     if eng.kind in GPU_ENGINES and eng.placement == "colocated":
         if kv_cache_tokens is None and eng.mem_fraction_static is None:
             kv_cache_tokens = eng.max_total_tokens
-        rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=kv_cache_tokens,
-                                   mem_fraction_static=None if kv_cache_tokens else eng.mem_fraction_static,
-                                   weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
+        rollout = ColocatedRollout.of_engine(eng, kv_cache_tokens=kv_cache_tokens,
+                                             mem_fraction_static=None if kv_cache_tokens else eng.mem_fraction_static)
     fp32 = config.model.dtype == "float32"
     return MemoryConfig(world_size=world_size, micro_batch_tokens=_micro_batch_tokens(config, arch),
                         param_bytes=4 if fp32 else 2, grad_bytes=4 if fp32 or config.optim.grad_reduce_in_fp32 else 2,

@@ -129,8 +129,7 @@ def project(config: TrainConfig, arch: ModelArch, memory: MemoryConfig, resident
     servers = eng.on_every_node
     base = _sim_config(config, world)
     context = math.ceil(base.prompt_tokens + base.length_model().decoding_context())
-    rollout = ColocatedRollout(engine_tp=eng.tp_size, kv_cache_tokens=1,
-                               weight_bytes=1.0 if eng.quantization == "fp8" else 2.0)
+    rollout = ColocatedRollout.of_engine(eng, kv_cache_tokens=1)
     kv_token_gib = kv_bytes_per_token(arch, rollout) / GIB
     engine_fixed = engine_weights_gib(arch, rollout) + rollout.runtime_gib + rollout.context_gib
     rows, skipped = [], []
