@@ -210,14 +210,28 @@ class EnginePool:
 
     def _broadcast_sender(self, servers: list):
         """The weight-broadcast group over ``servers``, rebuilt when they changed (an engine
-        restarted on a new port, or one lost, makes a new group; the old one is left idle)."""
+        restarted on a new port, or one lost, makes a new group; the old one is freed on this
+        rank and on its servers still here)."""
         from megatron_marsrl.rollout.weight_sync import DistributedWeightSender
 
         if not servers:
             return None
         if self._sender is None or [s.url for s in self._sender.servers] != [s.url for s in servers]:
+            self._close_sender(still_here=servers)
             self._sender = DistributedWeightSender(servers, group_name=f"marsrl_weights_{id(self)}_{next(self._groups)}")
         return self._sender
+
+    def _close_sender(self, still_here: list) -> None:
+        """Free the broadcast group, if any; a failure is logged (an idle group costs memory, not
+        correctness)."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return
+        kept = {s.url for s in still_here}
+        try:
+            sender.close([s for s in sender.servers if s.url in kept])
+        except Exception as exc:  # noqa: BLE001 - never stop training over an idle group
+            log.warning("could not free the old weight-broadcast group %s: %s", sender.group_name, exc)
 
     def release_memory(self, tags: tuple[str, ...]) -> int:
         """Every engine that can (SGLang with its memory saver) frees the GPU memory of ``tags``
@@ -259,5 +273,6 @@ class EnginePool:
         return usable[0].engine
 
     def shutdown(self) -> None:
+        self._close_sender(still_here=[])  # the servers' side goes with them
         for slot in self._slots:
             slot.engine.shutdown()

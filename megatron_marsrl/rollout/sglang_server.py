@@ -402,6 +402,11 @@ class SGLangServer:
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend}, 600), "init_weights_update_group")
 
+    def destroy_weights_group(self, group_name: str) -> None:
+        """Leave (and free) a weight-broadcast group this server joined."""
+        self._ok(self._post("/destroy_weights_update_group", {"group_name": group_name}, 60),
+                 "destroy_weights_update_group")
+
     def receive_bucket(self, bucket, *, group_name: str, version: int) -> None:
         """Receive one bucket broadcast by the trainer (blocks until the broadcasts are done)."""
         self._ok(self._post("/update_weights_from_distributed", {

@@ -76,6 +76,15 @@ class DistributedWeightSender:
         seconds = time.perf_counter() - start
         return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
 
+    def close(self, servers: list | None = None) -> None:
+        """Free the group: on ``servers`` (default: all of its servers; give the ones still
+        alive when some were lost), then on this rank."""
+        try:
+            for server in self.servers if servers is None else servers:
+                server.destroy_weights_group(self.group_name)
+        finally:
+            dist.destroy_process_group(self.group)
+
 
 def _on_this_machine(host: str) -> bool:
     """A server URL's host that names this machine: loopback, or the wildcard a server bound to

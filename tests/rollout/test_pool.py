@@ -150,6 +150,51 @@ def test_an_attached_server_that_stops_answering_leaves_the_pool(tiny_hf, tmp_pa
     server.shutdown()  # an attached server's process is not ours: nothing to stop
 
 
+def test_a_changed_server_set_frees_the_old_broadcast_group_on_the_servers_still_here(monkeypatch):
+    """The pool's side of the group's life (tests/rollout/test_sglang_engine.py frees a real
+    group): a lost server makes a new group over the others; the old one is closed on this rank
+    and on the servers still here only; shutdown closes the last one on this rank."""
+    from megatron_marsrl.rollout import weight_sync
+
+    senders = []
+
+    class RecordingSender:  # the broadcast group itself needs SGLang servers and a process group
+        def __init__(self, servers, *, group_name):
+            self.servers, self.group_name, self.closed_on, self.sent = list(servers), group_name, None, []
+            senders.append(self)
+
+        def send(self, buckets, *, version):
+            self.sent.append(version)
+
+        def close(self, servers):
+            self.closed_on = [s.url for s in servers]
+
+    class Server:
+        weight_version = 0
+
+        def __init__(self, url):
+            self.url, self.up = url, True
+
+        def alive(self):
+            return self.up
+
+        def shutdown(self):
+            self.up = False
+
+    monkeypatch.setattr(weight_sync, "DistributedWeightSender", RecordingSender)
+    servers = [Server(f"http://10.0.0.{i}:30000") for i in range(3)]
+    pool = EnginePool(servers, by_broadcast=True)
+    pool.update_weights([[("w", None)]], version=1)
+    pool.update_weights([[("w", None)]], version=2)
+    assert len(senders) == 1 and senders[0].sent == [1, 2]  # one group while the servers stay
+    servers[1].up = False
+    pool.update_weights([[("w", None)]], version=3)
+    assert [s.url for s in senders[1].servers] == [servers[0].url, servers[2].url] and senders[1].sent == [3]
+    assert senders[0].closed_on == [servers[0].url, servers[2].url]  # not on the lost one
+    pool.shutdown()
+    assert senders[1].closed_on == []  # this rank only: the servers' side goes with them
+
+
 @pytest.mark.slow
 def test_sglang_server_rejects_bad_requests_without_retry_and_bad_model_path(tiny_hf, tmp_path):
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.verify import build_from_hf
@@ -84,9 +85,22 @@ def distributed_update(hf_dir: str) -> dict:
         reference = TransformersEngine(hf_dir)
         reference.update_weights([bucket], version=4)
         expected = reference.score(seq)
+        # the group freed on both sides (the server no longer knows it), then a new one works
+        sender.close()
+        try:
+            server.destroy_weights_group(sender.group_name)
+            freed_on_server = False
+        except ValueError as exc:  # SGLang answers 400
+            freed_on_server = "does not exist" in str(exc)
+        renewed = DistributedWeightSender([server], group_name="marsrl_weights_again")
+        renewed.send([[(n, t / 0.7) for n, t in bucket]], version=5)
+        restored = server.score(seq)
+        renewed.close()
         return {"changed": max(abs(a - b) for a, b in zip(before[0], after[0])),
                 "vs_reference": max(abs(a - b) for a, b in zip(after[0], expected[0])),
-                "version": server.weight_version, "bytes": report["bytes"]}
+                "version": server.weight_version, "bytes": report["bytes"], "freed_on_server": freed_on_server,
+                "freed_here": sender.group not in dist.distributed_c10d._world.pg_map,
+                "restored": max(abs(a - b) for a, b in zip(before[0], restored[0]))}
     finally:
         server.stop()
 
