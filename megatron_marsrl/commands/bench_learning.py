@@ -54,14 +54,13 @@ def _bench(args) -> int:
     bl.check_new(out, variants, seeds)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    warm_starts: dict[int, Path] = {}  # seed -> its first finished warm start
+    warm_starts: dict[int, Path] = {}  # seed -> its first run's warm start directory
     for variant in variants:
         for seed in seeds:
             overrides = [f"run.steps={args.steps}", *args.override]
             result = bl.run_one(args.recipe, variant, seed, out, overrides, timeout=args.timeout,
                                 warm_start=warm_starts.get(seed))
-            if seed not in warm_starts and (done := bl.finished_warm_start(result)) is not None:
-                warm_starts[seed] = done
+            warm_starts.setdefault(seed, Path(result.run_dir) / "warm_start")
             figures = "  ".join(f"{k[len('eval/'):]} {v:.3f}" for k, v in result.final.items())
             warm = f", warm start {result.warm_start_seconds / 60:.1f} min" if result.warm_start_seconds else ""
             print(f"{variant} seed {seed}: {figures}  ({result.seconds / 60:.1f} min{warm})", flush=True)

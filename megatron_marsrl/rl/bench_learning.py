@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,10 +105,11 @@ def check_new(out_dir: Path, variants: list[str], seeds: list[int]) -> None:
 
 def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list[str], *,
             timeout: float, warm_start: Path | None = None) -> RunResult:
-    """Train one (variant, seed), starting from a copy of the finished warm start directory
-    `warm_start` if given; raises RuntimeError with the run's output tail if it fails."""
+    """Train one (variant, seed), starting from a copy of the warm start directory `warm_start`
+    if there is one (`marsrl train` decides whether it is reusable); raises RuntimeError with the
+    run's output tail if it fails."""
     run_dir = run_dir_of(out_dir, variant, seed)
-    if warm_start is not None:
+    if warm_start is not None and warm_start.is_dir():
         shutil.copytree(warm_start, run_dir / "warm_start")  # keeps file times: a reused one stays older
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", recipe, f"run.output_dir={run_dir}",
            f"run.seed={seed}", "run.progress=false", "run.checkpoint_every=0", *overrides,
@@ -131,12 +133,6 @@ def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list
                      run_dir=str(run_dir))
 
 
-def finished_warm_start(result: RunResult) -> Path | None:
-    """The run's warm start directory if it has a finished one (for the later runs of its seed)."""
-    path = Path(result.run_dir) / "warm_start"
-    return path if (path / "settings.json").is_file() else None
-
-
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     mean = sum(values) / len(values)
@@ -158,7 +154,7 @@ def summarize(results: list[RunResult]) -> dict[str, dict[str, tuple[float, floa
 
 
 def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[int], command: str,
-             warm_starts: list[float] = ()) -> str:
+             warm_starts: Sequence[float] = ()) -> str:
     """The results table (mean +- std over the seeds), and the warm starts trained (seconds)."""
     metrics = [m for m in METRICS if any(m in row for row in summary.values())]
     head = ["variant", *(m[len("eval/"):] for m in metrics), "minutes"]
