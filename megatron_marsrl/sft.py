@@ -58,7 +58,8 @@ class SFTConfig:
     eval_every: int = 0
     """Evaluate every N steps as well; 0: before the first step and after the last only."""
     dtype: str = "auto"
-    """"auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
+    """"auto" (bfloat16 on a GPU or a CPU with bf16 matrix instructions, else float32:
+    precision.choose_dtype), "float32" or "bfloat16"."""
     seed: int = 1234
     """Data order."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -223,6 +224,7 @@ def run_rank(cfg: SFTConfig) -> dict:
 
     from megatron_marsrl import outputs
     from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.precision import choose_dtype
     from megatron_marsrl.megatron.parallel import init_parallel
 
     conversations = preflight(cfg)
@@ -248,12 +250,11 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
     from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
     from megatron_marsrl.megatron.hf_checkpoint import save_hf_checkpoint
     from megatron_marsrl.megatron.hf_config import ModelArch
-    from megatron_marsrl.megatron.model import train_dtype
 
     run_dir = Path(cfg.output_dir)
     arch = ModelArch.from_hf_dir(cfg.model)
     rank, dp, dp_rank = dist.get_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    actor = PolicyActor("sft", arch, cfg.parallel, cfg.optim, hf_dir=cfg.model, dtype=train_dtype(cfg.dtype))
+    actor = PolicyActor("sft", arch, cfg.parallel, cfg.optim, hf_dir=cfg.model, dtype=choose_dtype(cfg.dtype).dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train = [tokenize_conversation(tokenizer, c) for c in conversations]
     held_out = [tokenize_conversation(tokenizer, c) for c in load_conversations(cfg.eval)] if cfg.eval else []

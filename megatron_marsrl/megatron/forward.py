@@ -127,20 +127,36 @@ def _attention_args(model, bounds: torch.Tensor, block: torch.Tensor) -> dict:
 
 
 def _unpack(values: torch.Tensor, packed: dict) -> torch.Tensor:
-    """Per-position values of a packed row [1, T] as ``[b, width]`` (0 beyond each sequence);
-    differentiable."""
+    """Per-position values of a packed row [1, T] (or [1, len(keep)] at the positions ``keep``)
+    as ``[b, width]`` (0 beyond each sequence and at positions not kept); differentiable."""
+    dest = packed["dest"] if packed.get("keep") is None else packed["dest"][packed["keep"]]
     flat = values.new_zeros(packed["rows"] * packed["width"])
-    return flat.index_copy(0, packed["dest"], values[0, : packed["dest"].numel()]).view(packed["rows"], -1)
+    return flat.index_copy(0, dest, values[0, : dest.numel()]).view(packed["rows"], -1)
+
+
+def _logits_at(positions: torch.Tensor):
+    """A GPTModel ``output_processor`` (megatron-core >= 0.19) that applies the output layer to
+    the decoder's hidden states at ``positions`` of the packed row only: logits [1, n, vocab/TP]."""
+    def processor(*, hidden_states, output_layer, output_weight, runtime_gather_output, scale_logits, **_):
+        logits, _ = output_layer(hidden_states.index_select(0, positions), weight=output_weight,
+                                 runtime_gather_output=runtime_gather_output)
+        return scale_logits(logits).transpose(0, 1).contiguous()
+
+    return processor
 
 
 def _forward(chunk, data: dict):
     """(logits, labels, to_rows) of one micro-batch: its forward, the next-token labels, and the
-    map of per-position values to ``[b, seq-1]`` (rows) or ``[b, width]`` (packed)."""
+    map of per-position values to ``[b, seq-1]`` (rows) or ``[b, width]`` (packed). A packed
+    micro-batch with ``keep`` (`_prepared`) gets logits at those positions only."""
     if "packed" in data:
         packed = data["packed"]
+        keep = packed.get("keep")
+        extra = {} if keep is None else {"output_processor": _logits_at(keep)}
         logits = chunk(packed["inputs"], packed["positions"], packed["attention"].get("attention_mask"),
-                       packed_seq_params=packed["attention"].get("packed_seq_params"))
-        return logits, packed["labels"], lambda values: _unpack(values, packed)
+                       packed_seq_params=packed["attention"].get("packed_seq_params"), **extra)
+        labels = packed["labels"] if keep is None else packed["labels"][:, keep]
+        return logits, labels, lambda values: _unpack(values, packed)
     tokens = data["tokens"]
     inputs, labels = _shifted(tokens)
     logits = chunk(inputs, _positions(inputs), None)
@@ -148,10 +164,17 @@ def _forward(chunk, data: dict):
 
 
 def _prepared(model, batch: dict) -> dict:
-    """``batch`` with its tokens on the device and, when packed, the forward's inputs."""
+    """``batch`` with its tokens on the device and, when packed, the forward's inputs. A packed
+    batch with a ``response_mask`` (training) keeps only the positions the loss reads: the
+    output layer and the vocabulary softmax skip the prompts (most of an RL micro-batch's
+    tokens); log-probs and entropies elsewhere read 0. Not under sequence parallelism, where
+    the output layer gathers the row's TP chunks itself."""
     data = {**batch, "tokens": batch["tokens"].to(_device())}
     if "cu_seqlens" in batch:
-        data["packed"] = _packed_inputs(model, batch)
+        packed = data["packed"] = _packed_inputs(model, batch)
+        if "response_mask" in batch and not _unwrap(model).config.sequence_parallel:
+            keep = batch["response_mask"].to(_device()).flatten()[packed["dest"]].nonzero().flatten()
+            packed["keep"] = keep if keep.numel() else keep.new_zeros(1)  # at least one row of logits
     return data
 
 
@@ -356,8 +379,8 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     groups are still being sampled: any number of these calls, in any order, then one sync.
     ``batch`` is packed (``tokens`` [1, T] and ``cu_seqlens``, actor.pack_sequences) or rows
     (``tokens`` [b, s]); either way ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch)
-    -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (positions beyond a
-    sequence hold 0 when packed). An optional ``batch["routed_experts"]`` replays the engine's
+    -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (packed: only the
+    positions of ``batch["response_mask"]`` are computed, the rest hold 0). An optional ``batch["routed_experts"]`` replays the engine's
     MoE routing (routing_replay.py). Log-probs and entropy come from :func:`token_stats` (token
     chunks, no full fp32 logits); the entropy carries gradient only with ``entropy_grad`` (an
     entropy bonus trains through it). Returns the metrics (floats) on every rank.
@@ -387,7 +410,8 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
 
 def micro_batch_logprobs(model, batch: dict, *, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``[b, s-1]`` of one micro-batch, packed or rows (as :func:`backward_micro_batch`
-    lays them out), without gradient, on every rank (e.g. a frozen reference model's)."""
+    lays them out), without gradient, on every rank (e.g. a frozen reference model's). A packed
+    batch with a ``response_mask`` gets them at its True positions only (0 elsewhere)."""
     def step(chunk, data):
         logits, labels, to_rows = _forward(chunk, data)
         return logits, lambda out: (out.sum() * 0.0, {"logprobs": to_rows(

@@ -20,13 +20,6 @@ from megatron_marsrl.megatron.hf_mapping import padded_vocab_size
 from megatron_marsrl.megatron.parallel import ParallelConfig
 
 
-def train_dtype(name: str) -> torch.dtype:
-    """The dtype a config name trains in: "auto" is bfloat16 on GPU, float32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
 def have_transformer_engine() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -109,11 +102,27 @@ def transformer_config(arch: ModelArch, parallel: ParallelConfig, *, dtype: torc
 
 
 def layer_spec(arch: ModelArch, config):
-    """Per-layer module specs (dense and MoE layers may be mixed), TE when available."""
+    """Per-layer module specs (dense and MoE layers may be mixed), TE when available; without TE
+    the core attention is `attention.SequenceAttention` (fused, per packed sequence)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(),
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(),
                                       normalization="RMSNorm")
+    if not have_transformer_engine():
+        import copy
+
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from megatron_marsrl.megatron.attention import SequenceAttention
+
+        spec = copy.deepcopy(spec)  # not megatron-core's cached spec; its layers may share one object
+        for layer in spec.layer_specs:
+            attention = layer.submodules.self_attention.submodules
+            if attention.core_attention not in (DotProductAttention, SequenceAttention):
+                raise TypeError(f"megatron-core's local layer spec has core attention {attention.core_attention}, "
+                                "not DotProductAttention: review megatron/attention.py for this version")
+            attention.core_attention = SequenceAttention
+    return spec
 
 
 def build_model(arch: ModelArch, parallel: ParallelConfig, *, dtype: torch.dtype = torch.float32,

@@ -33,7 +33,10 @@ class ModelConfig:
     GGUF loader into run_dir/initial_model, as `marsrl convert gguf-to-hf` does). "task" uses the
     task's own tiny model (built at start-up under the run directory, see `TaskConfig`)."""
     dtype: str = "auto"
-    """"auto" (bfloat16 on GPU, float32 on CPU), "float32" or "bfloat16"."""
+    """"auto", "float32" or "bfloat16". "auto" is bfloat16 (Megatron's mixed precision: fp32 main
+    parameters and Adam state) on a GPU and on a CPU with bf16 matrix instructions (AMX or
+    AVX-512 bf16), float32 on other CPUs (megatron/model.py `choose_dtype`). The embedded engine
+    generates in the same dtype; the run's config.json records the resolved one."""
     moe_aux_loss_coeff: float = 0.0
     """Megatron's MoE load-balancing loss weight (MarsRL trains without one: 0)."""
     arch: dict = field(default_factory=dict)

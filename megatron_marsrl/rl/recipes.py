@@ -103,7 +103,7 @@ def smollm2_arithmetic() -> TrainConfig:
         # ~45 s per step on 2 cores (training dominates): 36 steps and 4 evaluations ~30 minutes.
         run=RunConfig(steps=36, output_dir="outputs/smollm2_arithmetic", seed=1234, checkpoint_every=12,
                       eval_every=12),
-        model=ModelConfig(path=str(smollm2_gguf()), dtype="float32"),
+        model=ModelConfig(path=str(smollm2_gguf()), dtype="auto"),
         task=TaskConfig(name="arithmetic_chat", train=f"arithmetic:train?n=512&seed=0&{numbers}",
                         eval=f"arithmetic:eval?n=16&seed=0&{numbers}", eval_size=16),
         parallel=ParallelConfig(pp=2),  # 30 layers in two stages: one per core, half the memory each

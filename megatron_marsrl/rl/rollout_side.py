@@ -36,7 +36,7 @@ def role_set(task: str):
 class RolloutSide:
     """Engines (one pool per policy), agents, problems and the background driver."""
 
-    def __init__(self, config: TrainConfig, hf_dir: str):
+    def __init__(self, config: TrainConfig, hf_dir: str, *, dtype: torch.dtype = torch.float32):
         from megatron_marsrl.rollout.chat import EngineChatGenerator, load_tokenizer
         from megatron_marsrl.rollout.factory import start_engines
 
@@ -46,7 +46,7 @@ class RolloutSide:
         self.pools = {}
         try:
             for i, name in enumerate(config.policy_names()):
-                self.pools[name] = start_engines(engines_of_policy(config, i), hf_dir,
+                self.pools[name] = start_engines(engines_of_policy(config, i), hf_dir, dtype=dtype,
                                                  memory_saver=memory_saver(config))
         except BaseException:
             self.close()

@@ -10,6 +10,7 @@ follow, so every collective inside Megatron runs in the same order everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -26,8 +27,8 @@ from megatron_marsrl.algorithms.losses import PolicyLossInputs, dmmpt_gate, poli
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
-from megatron_marsrl.megatron.model import train_dtype
 from megatron_marsrl.megatron.parallel import gather_data_parallel, init_parallel
+from megatron_marsrl.precision import choose_dtype
 from megatron_marsrl.procs import exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
@@ -57,9 +58,12 @@ class Trainer:
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
         self.rank = dist.get_rank()
         self.control = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
+        self.precision = choose_dtype(config.model.dtype)
+        if self.rank == 0:
+            log.info("training dtype: %s (%s)", self.precision.name, self.precision.reason)
+        dtype = self.precision.dtype
         if config.warm_start is not None:
             self.hf_dir = self._warm_start(config.warm_start)
-        dtype = train_dtype(config.model.dtype)
         self.actors = {name: PolicyActor(name, self.arch, config.parallel, config.optim, hf_dir=str(self.hf_dir),
                                          dtype=dtype, reference=config.policy.reference,
                                          moe_aux_loss_coeff=config.model.moe_aux_loss_coeff)
@@ -117,7 +121,7 @@ class Trainer:
             logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
             from megatron_marsrl.rl.rollout_side import RolloutSide
 
-            self.rollout = RolloutSide(config, str(self.hf_dir))
+            self.rollout = RolloutSide(config, str(self.hf_dir), dtype=self.precision.dtype)
             log.info("rollout engines started: %s", ", ".join(f"policy {name}: {len(pool.engines)} x {config.engine.kind}"
                                                             for name, pool in self.rollout.pools.items()))
         if spreads(config, where):  # every node's engines serve rank 0's pools
@@ -179,7 +183,7 @@ class Trainer:
         model = self.config.model
         source = {"path": model.path, **({"tiny_model": self.config.task.tiny_model} if model.path == "task" else {})}
         settings = {**dataclasses.asdict(warm), "model": source, "seed": self.config.run.seed,
-                    "layout": dataclasses.asdict(self.config.parallel), "dtype": self.config.model.dtype,
+                    "layout": dataclasses.asdict(self.config.parallel), "dtype": self.precision.name,
                     "clip_grad": self.config.optim.clip_grad, "conversations_sha256": digest}
         done = out / "hf" / "config.json"
         reuse = self._broadcast(done.is_file() and (out / "settings.json").is_file() and
@@ -188,7 +192,7 @@ class Trainer:
         if reuse:
             return done.parent
         cfg = sft.SFTConfig(model=str(self.hf_dir), data=warm.data, output_dir=str(out), epochs=warm.epochs,
-                            batch_sequences=warm.batch_sequences, dtype=self.config.model.dtype,
+                            batch_sequences=warm.batch_sequences, dtype=self.precision.name,
                             seed=self.config.run.seed, parallel=self.config.parallel,
                             optim=OptimConfig(lr=warm.lr, clip_grad=self.config.optim.clip_grad))
         if self.rank == 0:
@@ -582,7 +586,8 @@ class Trainer:
             log.info("resumed from %s at step %d", path, self.start_step)
 
     def _save_config(self) -> None:
-        """The resolved config next to the run (an earlier one is kept as config.<n>.json)."""
+        """The resolved config next to the run (an earlier one is kept as config.<n>.json), with
+        model.dtype as this machine resolved it ("auto" -> float32 or bfloat16)."""
         import json
 
         from megatron_marsrl.rl.overrides import config_to_dict
@@ -591,7 +596,9 @@ class Trainer:
         if path.is_file():
             n = len(list(self.run_dir.glob("config.*.json")))
             path.rename(self.run_dir / f"config.{n}.json")
-        path.write_text(json.dumps(config_to_dict(self.config), indent=2))
+        config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model,
+                                                                            dtype=self.precision.name))
+        path.write_text(json.dumps(config_to_dict(config), indent=2))
 
     def close(self) -> None:
         if self.rollout is not None:

@@ -5,6 +5,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
+
 from megatron_marsrl.rollout.engine import GenerationTimeout
 
 ENGINES = ("hf", "sglang", "sglang_server")
@@ -125,23 +127,27 @@ def make_engine(kind: str, model_dir: str, *, max_total_tokens: int = 4096, seed
     return _start_one(cfg, model_dir, 0)
 
 
-def start_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: bool = False):
+def start_engines(cfg: RolloutEngineConfig, model_dir: str, *, dtype: torch.dtype = torch.float32,
+                  memory_saver: bool = False):
     """Start this node's ``cfg.num_engines`` engines and return them behind one EnginePool.
+    ``dtype``: what the embedded engine ("hf") generates in, the training dtype (SGLang picks its
+    own: `sglang_engine.sglang_dtype`; on CPU it stays fp32, where its bf16 path hangs).
     ``memory_saver`` starts SGLang engines with its memory saver, so that they can release and
     resume their weights and KV cache (time-shared colocation; GPU only)."""
     from megatron_marsrl.rollout.pool import EnginePool
 
-    engines = start_node_engines(cfg, model_dir, memory_saver=memory_saver)
+    engines = start_node_engines(cfg, model_dir, dtype=dtype, memory_saver=memory_saver)
     return EnginePool(engines, max_concurrency=cfg.max_inflight_per_engine * len(engines),
                       timeout=cfg.generation_timeout, by_broadcast=cfg.placement == "split")
 
 
-def start_node_engines(cfg: RolloutEngineConfig, model_dir: str, *, memory_saver: bool = False) -> list:
+def start_node_engines(cfg: RolloutEngineConfig, model_dir: str, *, dtype: torch.dtype = torch.float32,
+                       memory_saver: bool = False) -> list:
     """Start this node's ``cfg.num_engines`` engines (all stopped again if one fails)."""
     engines = []
     try:
         for i in range(cfg.num_engines):
-            engines.append(_start_one(cfg, model_dir, i, memory_saver=memory_saver))
+            engines.append(_start_one(cfg, model_dir, i, dtype=dtype, memory_saver=memory_saver))
     except BaseException:
         for engine in engines:
             engine.shutdown()
@@ -156,7 +162,8 @@ def attach_engines(cfg: RolloutEngineConfig, model_dir: str, urls: list[str]) ->
     return [SGLangServer.attach(_server_config(cfg, model_dir, i), url) for i, url in enumerate(urls)]
 
 
-def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_saver: bool = False):
+def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, dtype: torch.dtype = torch.float32,
+               memory_saver: bool = False):
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model path {model_dir}: no config.json (need a local HF checkpoint directory)")
     from megatron_marsrl.rollout.fp8 import check_start
@@ -165,7 +172,7 @@ def _start_one(cfg: RolloutEngineConfig, model_dir: str, index: int, *, memory_s
     if cfg.kind == "hf":
         from megatron_marsrl.rollout.hf_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
+        return TransformersEngine(model_dir, dtype=dtype, seed=cfg.seed + index, max_total_tokens=cfg.max_total_tokens,
                                   max_batch_tokens=cfg.batch_tokens)
     if cfg.kind == "sglang":
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine

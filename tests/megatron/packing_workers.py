@@ -56,8 +56,9 @@ def padded_rows(packed: dict) -> dict:
 def packed_vs_rows(hf_dir: str, layout: dict, replay: bool = False) -> dict:
     """One micro-batch through forward.backward_micro_batch packed and as padded rows, same
     model and loss (log-probs and an entropy bonus): max |difference| of the log-probs and
-    entropies the loss saw at real positions (None off the last pipeline stage), of every
-    parameter's gradient, and of the frozen-reference log-probs (forward.micro_batch_logprobs)."""
+    entropies the loss saw at trained positions (None off the last pipeline stage), of every
+    parameter's gradient, and of the frozen-reference log-probs (forward.micro_batch_logprobs)
+    there. Packed, only trained positions get logits (forward._prepared)."""
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_marsrl.megatron.forward import backward_micro_batch, micro_batch_logprobs
@@ -71,6 +72,9 @@ def packed_vs_rows(hf_dir: str, layout: dict, replay: bool = False) -> dict:
     real = torch.zeros_like(packed["response_mask"])
     for k, n in enumerate(packed["cu_seqlens"].diff().tolist()):
         real[k, : n - 1] = True
+    # a packed training micro-batch computes logits where the loss reads (forward._prepared)
+    trained = packed["response_mask"]
+    assert 0 < int(trained.sum()) < int(real.sum())
 
     def run(batch):
         seen = {}
@@ -99,7 +103,7 @@ def packed_vs_rows(hf_dir: str, layout: dict, replay: bool = False) -> dict:
     diffs = {n: float((got_grads[n] - ref_grads[n]).abs().max()) for n in ref_grads}
     out = {"grad": max(diffs.values()), "worst": max(diffs, key=diffs.get),
            "grad_norm": max(norms), "params": len(norms),
-           "reference": float((got["reference"] - ref["reference"])[real].abs().max())}
+           "reference": float((got["reference"] - ref["reference"])[trained].abs().max())}
     for key in ("logp", "entropy"):
-        out[key] = float((got[key] - ref[key])[real].abs().max()) if key in got else None
+        out[key] = float((got[key] - ref[key])[trained].abs().max()) if key in got else None
     return out
