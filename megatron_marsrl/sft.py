@@ -224,7 +224,6 @@ def run_rank(cfg: SFTConfig) -> dict:
 
     from megatron_marsrl import outputs
     from megatron_marsrl.megatron.hf_config import ModelArch
-    from megatron_marsrl.precision import choose_dtype
     from megatron_marsrl.megatron.parallel import init_parallel
 
     conversations = preflight(cfg)
@@ -250,6 +249,7 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
     from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
     from megatron_marsrl.megatron.hf_checkpoint import save_hf_checkpoint
     from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.precision import choose_dtype
 
     run_dir = Path(cfg.output_dir)
     arch = ModelArch.from_hf_dir(cfg.model)

@@ -86,7 +86,22 @@ def wrap_ddp_and_optimizer(model, optim: OptimConfig, *, distributed_optimizer: 
         **offload,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    if not torch.cuda.is_available():
+        _fuse_cpu_adam(optimizer)
     return ddp_model, optimizer
+
+
+def _fuse_cpu_adam(optimizer) -> None:
+    """On CPU, without TE or Apex, Megatron builds torch's AdamW with its defaults, which on CPU
+    are the per-tensor loop (one Python pass and ~10 elementwise kernels per parameter tensor).
+    torch's fused kernel (CPU support since 2.4) does the same update in one pass over each
+    tensor; it is read from the param group at every step, so set it before the first. Same
+    update to rounding (tests/megatron/test_training_parity.py)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.state:
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def _offload_options(optim: OptimConfig, distributed_optimizer: bool) -> dict:

@@ -7,7 +7,10 @@
 It runs `marsrl train --recipe R` for --steps steps as a subprocess (as `bench pipeline` does),
 drops the first step (start-up, warm caches) and reads the rest from the run's metrics.jsonl.
 Figures are means over the measured steps, ratios taken of sums, so the parts of a step add up
-to the step time exactly. Nothing here differs between CPU and GPU except the peak FLOP/s.
+to the step time exactly. Nothing here differs between CPU and GPU except the peak FLOP/s: a
+GPU's datasheet figure, or on CPU the best FLOP/s a matmul of the model's own shapes reaches in
+the run's training dtype on this machine (`device.peak_source` says which; `device.name` names
+the CPU and its bf16 matrix instructions).
 
 The fields follow NeMo-RL's published performance summary, so the figures compare directly:
 https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html
@@ -63,28 +66,54 @@ def gpu_peak_flops(name: str) -> float | None:
     return None
 
 
-def measure_cpu_peak(threads: int, *, n: int = 512, repeats: int = 5) -> float:
-    """Measured fp32 matmul FLOP/s of this CPU with ``threads`` threads (best of ``repeats``):
-    CPUs have no datasheet figure that torch reaches, so MFU on CPU is against this."""
+def probe_shapes(arch) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's own training matmuls at 1024 tokens: the attention projections
+    and the MLP's (the expert MLP's for MoE), forward shapes."""
+    m, h = 1024, arch.hidden_size
+    ffn = arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+    return [(m, h, qkv), (m, h, 2 * ffn), (m, ffn, h)]
+
+
+def measure_cpu_peak(threads: int, dtype: str, shapes: list[tuple[int, int, int]], *, repeats: int = 5) -> float:
+    """The best matmul FLOP/s of this CPU over ``shapes`` in ``dtype`` with ``threads`` threads
+    (best of ``repeats`` each): CPUs have no datasheet figure that torch reaches, so MFU on CPU
+    is against what the model's own shapes reach in the training dtype."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    best = 0.0
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k).to(getattr(torch, dtype)), torch.randn(k, n).to(getattr(torch, dtype))
+            a @ b  # warm-up
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = max(best, 2.0 * m * k * n / (time.perf_counter() - start))
     finally:
         torch.set_num_threads(before)
-    return 2.0 * n ** 3 / best
+    return best
 
 
-def device_peak(*, train_gpus: int, peak_tflops: float | None = None) -> dict:
-    """The device the ranks train on and its peak FLOP/s per GPU (per rank on CPU)."""
+def cpu_name() -> str:
+    """The CPU's model name and its bf16 matrix instructions (machines of one kind differ)."""
+    from megatron_marsrl.precision import cpu_bf16_flags
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 "unknown CPU")
+    flags = cpu_bf16_flags()
+    return f"{model} ({', '.join(flags) if flags else 'no bf16 matrix instructions'})"
+
+
+def device_peak(*, train_gpus: int, dtype: str = "float32", arch=None, peak_tflops: float | None = None) -> dict:
+    """The device the ranks train on and its peak FLOP/s per GPU (per rank on CPU: the matmul
+    probe of ``arch``'s shapes in ``dtype``, the run's resolved training dtype)."""
     import torch
 
     if torch.cuda.is_available():
@@ -96,10 +125,13 @@ def device_peak(*, train_gpus: int, peak_tflops: float | None = None) -> dict:
     # torchrun gives each of several ranks one thread unless OMP_NUM_THREADS says otherwise.
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if train_gpus > 1 else torch.get_num_threads())
     if peak_tflops:
-        return {"type": "cpu", "name": "cpu", "peak_flops_per_gpu": peak_tflops * 1e12, "peak_source": "--peak-tflops"}
-    return {"type": "cpu", "name": "cpu", "peak_flops_per_gpu": measure_cpu_peak(threads),
-            "peak_source": f"CPU: measured fp32 matmul peak of this machine, {threads} thread(s) per rank "
-                           "(no GPU; 'GPUs' below are training ranks and engines on this CPU)"}
+        return {"type": "cpu", "name": cpu_name(), "peak_flops_per_gpu": peak_tflops * 1e12,
+                "peak_source": "--peak-tflops"}
+    shapes = probe_shapes(arch) if arch is not None else [(1024, 1024, 1024)]
+    return {"type": "cpu", "name": cpu_name(), "peak_flops_per_gpu": measure_cpu_peak(threads, dtype, shapes),
+            "peak_source": f"CPU: measured {dtype} matmul peak of this machine on the model's shapes "
+                           f"{shapes}, {threads} thread(s) per rank (no GPU; 'GPUs' below are training "
+                           "ranks and engines on this CPU)"}
 
 
 # ---- the record ---------------------------------------------------------------------------------
@@ -200,7 +232,9 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
     config = resolve_config(recipe, train_args)  # fails here, before launching, on a bad override
     measured = train_steps(recipe, train_args, run_dir, nproc_per_node=nproc_per_node, label="bench throughput")
     arch = _arch(config, run_dir)
-    device = device_peak(train_gpus=int(measured[0]["world/train_gpus"]) if measured else 1, peak_tflops=peak_tflops)
+    dtype = json.loads((run_dir / "config.json").read_text())["model"]["dtype"]  # as the run resolved it
+    device = device_peak(train_gpus=int(measured[0]["world/train_gpus"]) if measured else 1, dtype=dtype, arch=arch,
+                         peak_tflops=peak_tflops)
     record = throughput_record(measured, config=config, arch=arch, device=device)
     record.update(recipe=recipe, overrides=list(overrides), steps=steps, output_dir=str(out), train_args=train_args)
     (out / "record.json").write_text(json.dumps(record, indent=2))

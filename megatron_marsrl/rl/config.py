@@ -35,7 +35,7 @@ class ModelConfig:
     dtype: str = "auto"
     """"auto", "float32" or "bfloat16". "auto" is bfloat16 (Megatron's mixed precision: fp32 main
     parameters and Adam state) on a GPU and on a CPU with bf16 matrix instructions (AMX or
-    AVX-512 bf16), float32 on other CPUs (megatron/model.py `choose_dtype`). The embedded engine
+    AVX-512 bf16), float32 on other CPUs (precision.py `choose_dtype`). The embedded engine
     generates in the same dtype; the run's config.json records the resolved one."""
     moe_aux_loss_coeff: float = 0.0
     """Megatron's MoE load-balancing loss weight (MarsRL trains without one: 0)."""

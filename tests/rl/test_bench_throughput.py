@@ -65,7 +65,9 @@ def test_cpu_run_record_is_consistent(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rec = json.loads(proc.stdout)  # stdout is exactly the record
     assert rec == json.loads(out_json.read_text())
-    assert rec["measured_steps"] == 2 and rec["device"]["type"] == "cpu" and "measured" in rec["device"]["peak_source"]
+    assert rec["measured_steps"] == 2 and rec["device"]["type"] == "cpu"
+    # the peak is the matmul probe of the model's shapes in the run's dtype (tiny_arithmetic: fp32)
+    assert "measured float32 matmul peak" in rec["device"]["peak_source"] and "bf16" in rec["device"]["name"]
     for figure in (rec["step_time_s"], rec["rollout"]["tokens_per_s_per_gpu"], rec["train"]["tokens_per_s_per_gpu"],
                    rec["nemo_rl"]["tokens_per_sec_per_gpu"], rec["weight_sync"]["time_s"], rec["weight_sync"]["gb"],
                    rec["weight_sync"]["gb_per_s"], rec["train"]["model_tflops_per_s_per_gpu"],
@@ -90,3 +92,14 @@ def test_cpu_run_record_is_consistent(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"bench/train/mfu", "bench/rollout/tokens_per_s_per_gpu", "bench/mean/step_time_s"} <= tags
     assert [e.step for e in acc.Scalars("bench/train/mfu")] == [2, 3]
+
+
+def test_cpu_peak_probe_uses_the_model_shapes(tiny_hf):
+    from megatron_marsrl.megatron.hf_config import ModelArch
+    from megatron_marsrl.rl.bench_throughput import measure_cpu_peak, probe_shapes
+
+    arch = ModelArch.from_hf_dir(tiny_hf("qwen3"))
+    shapes = probe_shapes(arch)
+    assert (1024, arch.hidden_size, 2 * arch.ffn_hidden_size) in shapes
+    for dtype in ("float32", "bfloat16"):
+        assert _finite_positive(measure_cpu_peak(1, dtype, shapes, repeats=2))

@@ -1,5 +1,5 @@
 """The `smollm2_arithmetic` recipe: a real pretrained model (SmolLM2-135M-Instruct from its
-GGUF file) through `marsrl train`: converted at start-up, PP2, "auto" dtype, chat-template roles, weight sync."""
+GGUF file) through `marsrl train`: converted at start-up, one rank, "auto" dtype, chat-template roles, weight sync."""
 from __future__ import annotations
 
 import json
