@@ -131,7 +131,8 @@ def test_layouts_train_the_same_and_rl_starts_from_the_result(tmp_path, tiny_tas
     checkpoint is one `marsrl train` starts from."""
     data = _solver_chats(tmp_path / "train.jsonl", "train", 64)
     held_out = _solver_chats(tmp_path / "eval.jsonl", "eval", 12)
-    sgd = ("epochs=1", "batch_sequences=16", "token_budget=64", "optim.optimizer=sgd", "optim.lr=0.5")
+    # fp32: the layouts agree to rounding there (auto would be bf16 on a CPU with bf16 units)
+    sgd = ("epochs=1", "batch_sequences=16", "token_budget=64", "optim.optimizer=sgd", "optim.lr=0.5", "dtype=float32")
     runs = {name: _sft(tiny_task_model, data, tmp_path / name, *sgd, *layout)
             for name, layout in {"world1": (), "ep2": ("parallel.ep=2",), "pp2": ("parallel.pp=2",)}.items()}
     losses = {name: [r["train/loss"] for r in records if "train/loss" in r] for name, records in runs.items()}

@@ -380,8 +380,8 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     ``batch`` is packed (``tokens`` [1, T] and ``cu_seqlens``, actor.pack_sequences) or rows
     (``tokens`` [b, s]); either way ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch)
     -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (packed: only the
-    positions of ``batch["response_mask"]`` are computed, the rest hold 0). An optional ``batch["routed_experts"]`` replays the engine's
-    MoE routing (routing_replay.py). Log-probs and entropy come from :func:`token_stats` (token
+    positions of ``batch["response_mask"]`` are computed, the rest hold 0). An optional
+    ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py). Log-probs and entropy come from :func:`token_stats` (token
     chunks, no full fp32 logits); the entropy carries gradient only with ``entropy_grad`` (an
     entropy bonus trains through it). Returns the metrics (floats) on every rank.
     """

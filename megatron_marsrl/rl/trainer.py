@@ -159,7 +159,6 @@ class Trainer:
     def _warm_start(self, warm) -> Path:
         """Supervised fine-tuning of the starting checkpoint (sft.fine_tune on these ranks) into
         run_dir/warm_start/hf, unless a finished one with the same settings is there."""
-        import dataclasses
         import hashlib
         import json
 
