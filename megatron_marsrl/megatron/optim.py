@@ -95,8 +95,9 @@ def _fuse_cpu_adam(optimizer) -> None:
     """On CPU, without TE or Apex, Megatron builds torch's AdamW with its defaults, which on CPU
     are the per-tensor loop (one Python pass and ~10 elementwise kernels per parameter tensor).
     torch's fused kernel (CPU support since 2.4) does the same update in one pass over each
-    tensor; it is read from the param group at every step, so set it before the first. Same
-    update to rounding (tests/megatron/test_training_parity.py)."""
+    tensor; it is read from the param group at every step, so set it before the first (the
+    step's state tensors are then made for it). The same AdamW update; the training-parity and
+    checkpoint tests run through it."""
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = sub.optimizer
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.state:
