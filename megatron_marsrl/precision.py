@@ -16,14 +16,21 @@ oneDNN runs bf16 linear layers on them at 2-6x the fp32 rate (PLATFORM.md)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
-    """The bf16 matrix instructions this machine's CPU reports (`BF16_CPU_FLAGS`), [] if none
-    or if ``cpuinfo`` cannot be read (not Linux)."""
+def cpuinfo_field(key: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
+    """The value of the first ``key`` line of ``cpuinfo`` ("flags", "model name"); None when
+    there is none or the file cannot be read (not Linux)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == key), None)
+
+
+def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
+    """The bf16 matrix instructions this machine's CPU reports (`BF16_CPU_FLAGS`), [] if none
+    or if ``cpuinfo`` cannot be read."""
+    flags = (cpuinfo_field("flags", cpuinfo) or "").split()
     return [f for f in BF16_CPU_FLAGS if f in flags]
 
 

@@ -19,6 +19,13 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
+def packed_causal_mask(block: torch.Tensor) -> torch.Tensor:
+    """The mask of a packed row whose position i belongs to sequence ``block[i]``: causal within
+    each sequence, nothing across (Megatron's convention: bool, True = masked out), [1, 1, T, T]."""
+    causal = torch.ones(block.numel(), block.numel(), dtype=torch.bool, device=block.device).tril()
+    return ~(causal & (block[:, None] == block[None, :]))[None, None]
+
+
 def causal_blocks(mask: torch.Tensor | None, length: int) -> list[tuple[int, int]] | None:
     """[start, end) of each sequence when ``mask`` (Megatron's convention: bool, True = masked
     out, [1, 1, length, length]) is block-diagonal causal; the whole row for None (Megatron's
@@ -27,14 +34,12 @@ def causal_blocks(mask: torch.Tensor | None, length: int) -> list[tuple[int, int
         return [(0, length)]
     if mask.dtype != torch.bool or mask.shape != (1, 1, length, length):
         return None
-    m = mask[0, 0]
     # a sequence starts where a position may not see the one before it
-    starts = torch.cat([torch.zeros(1, dtype=torch.long, device=m.device),
-                        torch.nonzero(m.diagonal(-1)).flatten() + 1])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long, device=mask.device),
+                        torch.nonzero(mask[0, 0].diagonal(-1)).flatten() + 1])
     bounds = torch.cat([starts, starts.new_tensor([length])])
-    block = torch.repeat_interleave(torch.arange(starts.numel(), device=m.device), bounds.diff())
-    causal = torch.ones(length, length, dtype=torch.bool, device=m.device).tril()
-    if not torch.equal(m, ~(causal & (block[:, None] == block[None, :]))):
+    block = torch.repeat_interleave(torch.arange(starts.numel(), device=mask.device), bounds.diff())
+    if not torch.equal(mask, packed_causal_mask(block)):
         return None
     edges = bounds.tolist()
     return list(zip(edges[:-1], edges[1:]))

@@ -122,8 +122,9 @@ def _attention_args(model, bounds: torch.Tensor, block: torch.Tensor) -> dict:
         # Megatron's fused causal softmax kernel (fp16/bf16) ignores any mask it is given.
         raise RuntimeError("packed micro-batches need Transformer Engine or masked_softmax_fusion=False: "
                            "the fused causal softmax would attend across sequences")
-    causal = torch.ones(block.numel(), block.numel(), dtype=torch.bool, device=block.device).tril()
-    return {"attention_mask": ~(causal & (block[:, None] == block[None, :]))[None, None]}
+    from megatron_marsrl.megatron.attention import packed_causal_mask
+
+    return {"attention_mask": packed_causal_mask(block)}
 
 
 def _unpack(values: torch.Tensor, packed: dict) -> torch.Tensor:
@@ -381,9 +382,10 @@ def backward_micro_batch(model, batch: dict, loss_fn: Callable, *, with_entropy:
     (``tokens`` [b, s]); either way ``loss_fn(logprobs [b, s-1], entropy [b, s-1] | None, batch)
     -> (loss, metrics)`` gets per-sequence rows, s the longest sequence (packed: only the
     positions of ``batch["response_mask"]`` are computed, the rest hold 0). An optional
-    ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py). Log-probs and entropy come from :func:`token_stats` (token
-    chunks, no full fp32 logits); the entropy carries gradient only with ``entropy_grad`` (an
-    entropy bonus trains through it). Returns the metrics (floats) on every rank.
+    ``batch["routed_experts"]`` replays the engine's MoE routing (routing_replay.py). Log-probs
+    and entropy come from :func:`token_stats` (token chunks, no full fp32 logits); the entropy
+    carries gradient only with ``entropy_grad`` (an entropy bonus trains through it). Returns the
+    metrics (floats) on every rank.
     """
     def step(chunk, data):
         logits, labels, to_rows = _forward(chunk, data)

@@ -99,14 +99,9 @@ def measure_cpu_peak(threads: int, dtype: str, shapes: list[tuple[int, int, int]
 
 def cpu_name() -> str:
     """The CPU's model name and its bf16 matrix instructions (machines of one kind differ)."""
-    from megatron_marsrl.precision import cpu_bf16_flags
+    from megatron_marsrl.precision import cpu_bf16_flags, cpuinfo_field
 
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 "unknown CPU")
+    model = cpuinfo_field("model name") or "unknown CPU"
     flags = cpu_bf16_flags()
     return f"{model} ({', '.join(flags) if flags else 'no bf16 matrix instructions'})"
 

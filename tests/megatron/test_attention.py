@@ -1,5 +1,6 @@
-"""megatron/attention.py: the sequences of a packed row read back from its mask, and the
-fused per-sequence attention equal to the masked softmax over the whole row."""
+"""megatron/attention.py: the sequences of a packed row read back from its mask. The attention
+itself is checked end to end: HF parity (test_parity.py, test_gguf.py) and packed against
+padded rows (test_packing.py)."""
 import pytest
 import torch
 

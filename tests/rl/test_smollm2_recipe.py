@@ -30,11 +30,12 @@ def test_dry_run_reads_the_architecture_from_the_gguf_file(tmp_path):
 @pytest.mark.slow
 def test_two_steps_of_the_real_model(tmp_path):
     run = tmp_path / "run"
-    # "auto": bf16 where the CPU has bf16 matrix units (the recipe ships fp32, see recipes.py)
+    # "auto", not the recipe's fp32: bf16 where the CPU has bf16 matrix units (recipes.py says why
+    # the recipe ships fp32)
     proc = _train(run, "run.steps=2", "run.eval_every=0", "run.checkpoint_every=2", "pipeline.problems_per_step=1",
                   "rollout.group_size=2", "rollout.sampling.max_tokens=8", "model.dtype=auto")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # model.dtype "auto" as this machine resolved it: bf16 where the CPU has bf16 matrix units
+    # config.json records "auto" as this machine resolved it
     dtype = choose_dtype("auto").name
     assert json.loads((run / "config.json").read_text())["model"]["dtype"] == dtype
     # the engine generates in the training dtype; bf16 kernels differ between HF and Megatron
