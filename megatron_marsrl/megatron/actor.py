@@ -20,7 +20,7 @@ from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.model import build_model
 from megatron_marsrl.megatron.offload import HostOffload
-from megatron_marsrl.megatron.optim import OptimConfig, wrap_ddp_and_optimizer
+from megatron_marsrl.megatron.optim import OptimConfig, dither_main_params, wrap_ddp_and_optimizer
 from megatron_marsrl.megatron.parallel import ParallelConfig
 
 
@@ -92,6 +92,7 @@ class PolicyActor:
         load_hf_weights(model, arch, hf_dir)
         self.model, self.optimizer = wrap_ddp_and_optimizer(model, optim,
                                                             distributed_optimizer=parallel.distributed_optimizer)
+        dither_main_params(self.optimizer)
         self.reference = None
         if reference:
             self.reference = build_model(arch, parallel, dtype=dtype)

@@ -70,3 +70,17 @@ def test_offloading_a_policy_between_steps_changes_nothing(tiny_hf):
     for r in results:
         assert r["emptied"] and r["moved_bytes"] > 0
         assert r["max_diff"] == 0.0, r
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, {}), (2, {"distributed_optimizer": True})])
+def test_dithered_main_params_let_small_bf16_updates_through(tiny_hf, world, layout):
+    """bf16 main copies start on the bf16 grid, where an Adam step smaller than half the spacing
+    changes no weight; dithered inside their rounding cells they still round to the same weights
+    (step 0 unchanged) and the step reaches the bf16 weights in full, on average."""
+    results = launch("tests.megatron.workers:dithered_main_params", world, {"hf_dir": tiny_hf("llama"), "layout": layout})
+    for r in results:
+        assert r["on_grid_at_start"] and r["rounds_back"], r
+        assert r["moved"] > 0 and r["off_grid"] > 0.99, r
+        assert r["reached_on_grid"] < 0.5 and 0.8 < r["reached_dithered"] < 1.2, r
+    if world == 2 and not layout:  # data-parallel replicas hold whole main copies: the same ones
+        assert results[0]["main_sum"] == results[1]["main_sum"]

@@ -276,3 +276,41 @@ def bf16_vs_fp32_logprobs(hf_dir: str) -> dict:
     diff = (out[torch.bfloat16] - out[torch.float32])[mask].abs()
     return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(mask.sum()),
             "fp32_mean_logp": float(out[torch.float32][mask].mean())}
+
+
+def dithered_main_params(hf_dir: str, layout: dict, lr: float = 1e-5) -> dict:
+    """bf16 model, Adam: how its fp32 main copies sit against the bf16 parameters before and after
+    `dither_main_params`, and how much of one Adam step of `lr` (the same gradients) reaches the
+    bf16 weights from main copies on the grid and from dithered ones: sum |bf16 change| over
+    sum |main change|."""
+    from megatron_marsrl.megatron.hf_checkpoint import load_hf_weights
+    from megatron_marsrl.megatron.model import build_model
+    from megatron_marsrl.megatron.optim import OptimConfig, _low_precision_main_params, dither_main_params, \
+        wrap_ddp_and_optimizer
+
+    arch, parallel, model = build_from_hf(hf_dir, layout, dtype=torch.bfloat16)
+    result = {}
+    for dithered in (False, True):
+        if dithered:
+            model = build_model(arch, parallel, dtype=torch.bfloat16)
+            load_hf_weights(model, arch, hf_dir)
+        ddp, optimizer = wrap_ddp_and_optimizer(model, OptimConfig(lr=lr, clip_grad=0.0),
+                                                distributed_optimizer=parallel.distributed_optimizer)
+        pairs = list(_low_precision_main_params(optimizer))
+        if dithered:
+            result["moved"] = dither_main_params(optimizer)
+            result["rounds_back"] = all(torch.equal(main.to(torch.bfloat16), low) for low, main in pairs)
+            result["off_grid"] = sum(int((main != low.float()).sum()) for low, main in pairs) / result["moved"]
+            result["main_sum"] = float(sum(main.double().sum() for _, main in pairs))
+        else:
+            result["on_grid_at_start"] = all(torch.equal(main, low.float()) for low, main in pairs)
+        lows, mains = [low.double() for low, _ in pairs], [main.double() for _, main in pairs]
+        gen = torch.Generator().manual_seed(5)
+        for p in ddp.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        optimizer.step()
+        # `low` views this rank's part of each parameter (its shard under the distributed optimizer)
+        reached = sum(float((low.double() - b).abs().sum()) for (low, _), b in zip(pairs, lows))
+        stepped = sum(float((main.double() - m).abs().sum()) for (_, main), m in zip(pairs, mains))
+        result["reached_dithered" if dithered else "reached_on_grid"] = reached / stepped
+    return result
