@@ -2,6 +2,8 @@ import pytest
 
 from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
+pytest_plugins = ["pytester", "tests.timeout_plugin"]
+
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):

@@ -1,0 +1,78 @@
+"""A time limit on every phase of every test (setup, call, teardown), so that a hung engine
+start or a deadlocked rank fails that test within minutes and the run still ends with its
+summary, instead of eating CI's 90 minutes and printing nothing.
+
+The limit is MARSRL_TEST_TIMEOUT seconds (default 600: 2.5x the slowest test, the main job's
+100 steps at ~240 s; 0 turns it off). On expiry a watchdog thread writes every thread's stack
+to the test's captured stderr (where it hung) and signals the main thread (SIGUSR2, which
+interrupts a blocking wait), whose handler raises TestTimeout; subprocess.run kills its child
+on the way out. Not SIGALRM: math_verify sets and cancels its own alarms in the main thread.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+DEFAULT_LIMIT_S = 600
+_limit = {"s": DEFAULT_LIMIT_S}
+
+
+class TestTimeout(Exception):
+    """A test phase ran past its time limit."""
+
+
+def pytest_configure(config) -> None:
+    raw = os.environ.get("MARSRL_TEST_TIMEOUT", str(DEFAULT_LIMIT_S))
+    try:
+        _limit["s"] = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"MARSRL_TEST_TIMEOUT={raw!r}: give whole seconds (0 turns the limit off)") from None
+    if _limit["s"] < 0:
+        raise pytest.UsageError(f"MARSRL_TEST_TIMEOUT={raw}: give whole seconds >= 0 (0 turns the limit off)")
+
+
+def _limited(item, phase: str):
+    seconds = _limit["s"]
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    message = f"{phase} ran past {seconds} s (MARSRL_TEST_TIMEOUT)"
+
+    def expire(signum, frame):
+        raise TestTimeout(message)
+
+    def watchdog():
+        print(f"\n{item.nodeid}: {message}; stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, expire)
+    timer = threading.Timer(seconds, watchdog)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # a watchdog already running finishes (and signals) before the handler goes
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _limited(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _limited(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _limited(item, "teardown")
