@@ -123,5 +123,13 @@ def test_start_engines_gives_a_pool(tiny_hf):
     from megatron_marsrl.rollout.factory import RolloutEngineConfig, start_engines
 
     pool = start_engines(RolloutEngineConfig(kind="hf", num_engines=2), tiny_hf("llama"))
-    out = asyncio.run(pool.generate(EngineRequest(prompt_ids=[3, 4], sampling=EngineSampling(max_new_tokens=2))))
-    assert len(out.output_ids) == 2
+    try:
+        request = EngineRequest(prompt_ids=[3, 4], sampling=EngineSampling(max_new_tokens=2, seed=1))
+        assert len(pool.engines) == 2 and pool.engines[0] is not pool.engines[1]
+        each = [engine.generate([request])[0] for engine in pool.engines]  # both engines serve
+        assert all(len(o.output_ids) == 2 and o.finish_reason == "length" for o in each)
+        assert each[0].output_ids == each[1].output_ids  # same weights, same seeded request
+        out = asyncio.run(pool.generate(request))
+        assert out.output_ids == each[0].output_ids
+    finally:
+        pool.shutdown()

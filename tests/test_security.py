@@ -215,10 +215,60 @@ def test_legacy_rng_file_loads_safely_and_a_tampered_one_runs_nothing(tmp_path):
     assert not pwned.exists()
 
 
+_PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib"}
+
+
+def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
+    """Calls in ``source`` that can run code from the bytes they read: pickle-family loads and
+    Unpicklers, torch.load without weights_only=True, numpy load with allow_pickle=True, yaml
+    loads that are not safe ones, and any weights_only=False."""
+    import ast
+
+    def const(call, name):
+        return next((k.value.value for k in call.keywords if k.arg == name and isinstance(k.value, ast.Constant)), None)
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        attr = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+        where = f"{filename}:{node.lineno}"
+        if owner in _PICKLERS and attr in ("load", "loads", "Unpickler"):
+            found.append(f"{where}: {owner}.{attr}")
+        elif owner == "torch" and attr == "load" and const(node, "weights_only") is not True:
+            found.append(f"{where}: torch.load without weights_only=True")
+        elif owner in ("np", "numpy") and attr == "load" and const(node, "allow_pickle") is True:
+            found.append(f"{where}: numpy load with allow_pickle=True")
+        elif owner == "yaml" and (attr in ("unsafe_load", "full_load", "load_all")
+                                  or attr == "load" and "Safe" not in ast.unparse(node)):
+            found.append(f"{where}: yaml.{attr}")
+        if any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is False
+               for k in node.keywords):
+            found.append(f"{where}: weights_only=False")
+    return found
+
+
 def test_no_unsafe_loads_in_the_package():
-    proc = subprocess.run(["grep", "-rn", "--include=*.py", "weights_only=False", str(ROOT / "megatron_marsrl")],
-                          capture_output=True, text=True)
-    assert proc.stdout == ""
+    found = [hit for path in sorted((ROOT / "megatron_marsrl").rglob("*.py"))
+             for hit in unsafe_loads(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == [], "calls that can unpickle what they read:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "pickle.load(f)", "pickle.loads(b)", "cloudpickle.loads(b)", "pickle.Unpickler(f).load()",
+    "torch.load(p)", "torch.load(p, map_location='cpu')", "torch.load(p, weights_only=False)",
+    "np.load(p, allow_pickle=True)", "yaml.load(s, Loader=yaml.Loader)", "yaml.unsafe_load(s)",
+    "x = f(weights_only=False)"])
+def test_the_unsafe_load_scan_finds_each_kind(line):
+    assert unsafe_loads(line), line
+
+
+@pytest.mark.parametrize("line", ["torch.load(p, weights_only=True)", "np.load(p)", "yaml.safe_load(s)",
+                                  "yaml.load(s, Loader=yaml.SafeLoader)", "json.load(f)"])
+def test_the_unsafe_load_scan_passes_safe_loads(line):
+    assert unsafe_loads(line) == [], line
 
 
 # ---- strict checkpoint loading -----------------------------------------------------------------

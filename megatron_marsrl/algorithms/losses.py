@@ -377,14 +377,3 @@ def _check_required(inputs: PolicyLossInputs, config: PolicyLossConfig) -> None:
     if missing:
         raise ValueError(f"policy loss config needs inputs {missing}; pass them in PolicyLossInputs "
                          "or disable the terms that use them (kl_coef, tis, entropy_coef, dmmpt)")
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy (nats) of softmax(logits) over the last dimension."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of `tokens` [B, T] under `logits` [B, T, V]."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)

@@ -11,8 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_marsrl.algorithms.losses import (AGGREGATIONS, DMMPTConfig, PolicyLossConfig, PolicyLossInputs,
-                                               TISConfig, aggregate, dmmpt_mask, entropy_from_logits,
-                                               policy_loss, token_logprobs)
+                                               TISConfig, aggregate, dmmpt_mask, policy_loss)
 
 
 def make_inputs(seed: int, *, per_token_adv: bool = False, B: int = 6, T: int = 16) -> dict[str, torch.Tensor]:
@@ -236,19 +235,6 @@ def test_missing_inputs_and_bad_config_are_clear_errors():
         PolicyLossConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match="tis cap must be >= 1"):
         TISConfig(cap=0.5)
-
-
-def test_logit_helpers():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 5, generator=g)
-    tokens = torch.randint(0, 5, (2, 3), generator=g)
-    p = torch.softmax(logits, -1)
-    for b in range(2):
-        for t in range(3):
-            want_h = -sum(float(p[b, t, v]) * math.log(float(p[b, t, v])) for v in range(5))
-            assert entropy_from_logits(logits)[b, t].item() == pytest.approx(want_h, rel=1e-5)
-            assert token_logprobs(logits, tokens)[b, t].item() == pytest.approx(
-                math.log(float(p[b, t, tokens[b, t]])), rel=1e-5)
 
 
 # ---- two data-parallel ranks (gloo) ---------------------------------------------------------------------
