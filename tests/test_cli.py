@@ -34,6 +34,25 @@ def test_unknown_subcommand_is_an_error():
     assert code == 2 and "invalid choice" in out
 
 
+def test_train_recipe_errors_and_a_config_file(tmp_path, monkeypatch):
+    code, out = _marsrl("train", "--recipe", "nosuch", "--print-config")
+    assert code == 2 and "unknown recipe 'nosuch'" in out and "smollm2_arithmetic" in out, out
+    (tmp_path / "myrecipes.py").write_text("def broken():\n    return {'run': {}}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    code, out = _marsrl("train", "--recipe", "myrecipes:broken", "--print-config")
+    assert code == 2 and "gave a dict" in out and "Traceback" not in out, out
+    # --config: a YAML mapping applied to the recipe, then KEY=VALUE on top of it
+    (tmp_path / "c.yaml").write_text("run:\n  steps: 3\n  seed: 7\noptim:\n  lr: 0.25\n")
+    code, out = _marsrl("train", "--recipe", "tiny_arithmetic", "--config", tmp_path / "c.yaml", "run.seed=9",
+                        "--print-config")
+    assert code == 0, out
+    config = json.loads(out)
+    assert (config["run"]["steps"], config["run"]["seed"], config["optim"]["lr"]) == (3, 9, 0.25)
+    (tmp_path / "bad.yaml").write_text("run:\n  stepz: 3\n")
+    code, out = _marsrl("train", "--recipe", "tiny_arithmetic", "--config", tmp_path / "bad.yaml", "--print-config")
+    assert code == 2 and "stepz" in out, out
+
+
 def test_bench_convert_prints_and_records_figures(tmp_path):
     out_json = tmp_path / "bench.json"
     code, out = _marsrl("bench", "convert", "--size-mb", 40, "--repeats", 1, "--json", out_json)

@@ -138,5 +138,6 @@ def get_recipe(spec: str) -> TrainConfig:
     fn = plugins.resolve(spec, RECIPES, what="recipe")
     config = fn() if callable(fn) else fn
     if not isinstance(config, TrainConfig):
-        raise TypeError(f"recipe {spec!r} returned {type(config).__name__}, expected a TrainConfig")
+        raise ValueError(f"recipe {spec!r} gave a {type(config).__name__}: a recipe is a TrainConfig or a "
+                         "function of no arguments that returns one (megatron_marsrl.rl.config.TrainConfig)")
     return config
