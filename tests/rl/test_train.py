@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROLES = ("solver", "verifier", "corrector")
 
@@ -196,6 +197,41 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     assert sorted(b) == [1, 2, 3, 4]
     _assert_same_steps(a, b, (3, 4))
     assert b[3]["train/dmmpt_active"] == 1.0  # (a lost gate reads 0: nothing measured yet)
+
+
+@pytest.mark.slow
+def test_skipped_updates_pruned_checkpoints_and_a_run_directory_kept_from_a_second_run(tmp_path):
+    run = tmp_path / "run"
+    # a gradient-norm ceiling no update passes: every step is skipped and nothing moves
+    train(run, "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=2", "policy.max_grad_norm=1e-12")
+    metrics = step_metrics(run)
+    assert [metrics[s]["shared/update_skipped"] for s in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    hf = tmp_path / "hf"
+    out = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "convert", "mcore-to-hf", "--input",
+                          str(run / "checkpoints" / "step_000003" / "policy_shared"), "--output", str(hf)],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    start, end = tensors(run / "initial_model"), tensors(hf)
+    assert start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
+    # the same directory again without --resume: refused, nothing of the first run touched
+    before = (run / "metrics.jsonl").read_text()
+    proc = subprocess.run(_cmd(run, "run.steps=3"), capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode != 0 and "pass --resume" in proc.stdout + proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    # --resume with another config: it goes on from step 3, the first config kept as config.0.json
+    train(run, "run.steps=4", "run.checkpoint_every=1", "run.keep_checkpoints=2", "--resume")
+    assert json.loads((run / "config.0.json").read_text())["policy"]["max_grad_norm"] == 1e-12
+    assert json.loads((run / "config.json").read_text())["policy"]["max_grad_norm"] is None
+    metrics = step_metrics(run)
+    assert sorted(metrics) == [1, 2, 3, 4] and metrics[4]["shared/update_skipped"] == 0.0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
 
 
 def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps) -> None:
