@@ -8,7 +8,7 @@ env:
 env-path:
 	@scripts/env.sh 2>/dev/null
 
-# The whole CPU suite (what CI runs). GPU tests are skipped without a GPU.
+# The whole CPU suite (what CI runs); no test needs a GPU (scripts/gpu_check.sh is the GPU check).
 test:
 	@scripts/test.sh
 

@@ -181,10 +181,6 @@ def test_measured_mode_trains_each_mode_and_reports_medians_speedups_and_calibra
 
 
 def test_cli_subprocess_prints_json():
-    from megatron_marsrl.cli import SUBCOMMANDS
-
-    if "bench pipeline" not in SUBCOMMANDS:
-        pytest.skip("'bench pipeline' is not registered in megatron_marsrl/cli.py yet")
     proc = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "bench", "pipeline", "--simulate", "--json", "-",
                            "--gpus", "8", "--gpus-per-engine", "4", "--gpus-per-replica", "2", "--problems", "4",
                            "--mean-tokens", "1000", "--max-tokens", "4096", "--segment-tokens", "1024", "--steps", "2"],
