@@ -24,6 +24,12 @@ https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html
   * "Training MFU": model FLOPs of the trained tokens (megatron.memory.model_flops_per_token at
     the step's attended length) / training time / (training GPUs x peak FLOP/s).
 
+The rollout's generated tokens/s stands next to the engine's own: the run saves its samples
+(run.save_rollouts), and after it each measured step's requests go to one engine of the run's
+kind as one batch (`rollout.engine_batch`; `rollout.over_engine_batch` = the rollout's
+tokens/s per engine over the batch's), so the cost of the agents, the pool and the stages
+waiting on each other shows.
+
 A step has two timelines, both reported and both summing to the step time:
   * `step_parts_s`, the critical path: rollout (the generation window; training runs inside
     it), train_after_rollout (training left when generation ended), sync, other (optimizer
@@ -106,6 +112,14 @@ def cpu_name() -> str:
     return f"{model} ({', '.join(flags) if flags else 'no bf16 matrix instructions'})"
 
 
+def rank_threads(train_gpus: int) -> int:
+    """The threads each training rank of the run had: torchrun gives each of several ranks one
+    thread unless OMP_NUM_THREADS says otherwise."""
+    import torch
+
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if train_gpus > 1 else torch.get_num_threads())
+
+
 def device_peak(*, train_gpus: int, dtype: str = "float32", arch=None, peak_tflops: float | None = None) -> dict:
     """The device the ranks train on and its peak FLOP/s per GPU (per rank on CPU: the matmul
     probe of ``arch``'s shapes in ``dtype``, the run's resolved training dtype)."""
@@ -117,8 +131,7 @@ def device_peak(*, train_gpus: int, dtype: str = "float32", arch=None, peak_tflo
         source = ("--peak-tflops" if peak_tflops else "datasheet bf16 dense (see GPU_PEAK_BF16)" if peak
                   else "unknown GPU: pass --peak-tflops for MFU")
         return {"type": "cuda", "name": name, "peak_flops_per_gpu": peak, "peak_source": source}
-    # torchrun gives each of several ranks one thread unless OMP_NUM_THREADS says otherwise.
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if train_gpus > 1 else torch.get_num_threads())
+    threads = rank_threads(train_gpus)
     if peak_tflops:
         return {"type": "cpu", "name": cpu_name(), "peak_flops_per_gpu": peak_tflops * 1e12,
                 "peak_source": "--peak-tflops"}
@@ -223,7 +236,7 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
         raise FileExistsError(f"output dir {out} is not empty; choose another --output-dir")
     run_dir = out / "run"
     train_args = [*overrides, f"run.steps={steps}", f"run.output_dir={run_dir}", "run.progress=false",
-                  "run.eval_every=0", "run.checkpoint_every=0"]
+                  "run.eval_every=0", "run.checkpoint_every=0", "run.save_rollouts=true"]
     config = resolve_config(recipe, train_args)  # fails here, before launching, on a bad override
     measured = train_steps(recipe, train_args, run_dir, nproc_per_node=nproc_per_node, label="bench throughput")
     arch = _arch(config, run_dir)
@@ -231,10 +244,61 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
     device = device_peak(train_gpus=int(measured[0]["world/train_gpus"]) if measured else 1, dtype=dtype, arch=arch,
                          peak_tflops=peak_tflops)
     record = throughput_record(measured, config=config, arch=arch, device=device)
+    batch = engine_batch(config, run_dir, [r["step"] for r in measured], dtype=dtype,
+                         threads=rank_threads(int(measured[0]["world/train_gpus"])))
+    record["rollout"]["engine_batch"] = batch
+    record["rollout"]["over_engine_batch"] = _div(record["rollout"]["tokens_per_s_per_gpu"] or 0.0,
+                                                  batch["tokens_per_s"])
     record.update(recipe=recipe, overrides=list(overrides), steps=steps, output_dir=str(out), train_args=train_args)
     (out / "record.json").write_text(json.dumps(record, indent=2))
     _tensorboard(out / "tensorboard", measured, record, config=config, arch=arch, device=device)
     return record
+
+
+def engine_batch(config, run_dir: Path, steps: list[int], *, dtype: str, threads: int) -> dict:
+    """Each of ``steps``' requests, as the run saved them (run_dir/rollouts/), given to one of the
+    run's engines as one batch: the engine's own speed on the step's work, next to what the
+    rollout got through the agents and the pool. The engine starts from the run's starting
+    weights in its dtype, with the run's sampling and the training ranks' threads; the outputs
+    differ from the run's (other weights, other seeds), so compare tokens/s."""
+    import torch
+
+    from megatron_marsrl.rollout.chat import load_tokenizer
+    from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
+    from megatron_marsrl.rollout.factory import start_engines
+
+    model_dir = str(config.model.start_checkpoint(run_dir))
+    eos = load_tokenizer(model_dir).eos_token_id
+    stop = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    s = config.rollout.sampling
+    batches = []
+    for step in steps:
+        rows = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        batches.append([EngineRequest(rid=f"{step}-{i}", prompt_ids=r["prompt_token_ids"],
+                                      sampling=EngineSampling(temperature=s.temperature, top_p=s.top_p,
+                                                              max_new_tokens=s.max_tokens, stop_token_ids=stop,
+                                                              seed=i))
+                        for i, r in enumerate(rows) if r["prompt_token_ids"]])
+    if not any(batches):
+        raise RuntimeError(f"{run_dir / 'rollouts'}: the measured steps saved no requests with prompt token ids")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    pool = start_engines(config.engine, model_dir, dtype=getattr(torch, dtype))
+    try:
+        engine = pool.engines[0]
+        engine.generate(batches[0][:1])  # warm-up
+        tokens, seconds = 0, 0.0
+        for requests in batches:
+            start = time.perf_counter()
+            tokens += sum(len(out.output_ids) for out in engine.generate(requests))
+            seconds += time.perf_counter() - start
+    finally:
+        pool.shutdown()
+        torch.set_num_threads(before)
+    n = len(batches)
+    return {"tokens_per_s": _div(tokens, seconds), "requests_per_step": sum(map(len, batches)) / n,
+            "generated_tokens_per_step": tokens / n, "time_s": seconds / n, "engine": config.engine.kind,
+            "threads": threads}
 
 
 def train_steps(recipe: str, overrides: list[str], run_dir: Path, *, nproc_per_node: int | None = None,

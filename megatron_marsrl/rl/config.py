@@ -208,6 +208,11 @@ class RunConfig:
     progress: bool = True
     """Progress bar with the key figures, when the console is a terminal (a line per step is
     printed either way)."""
+    save_rollouts: bool = False
+    """Write each step's samples to run_dir/rollouts/step_NNNNNN.jsonl (rank 0), one JSON line
+    per model call: role, stage, ids, prompt and response (text and token ids), the engine's
+    log-probs, parse status, reward and advantage. To read what the policy wrote; `marsrl bench
+    throughput` replays them as one engine batch."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "keep_checkpoints"):

@@ -60,6 +60,8 @@ def train(config: TrainConfig, *, resume: bool = False) -> dict:
             step += 1
             metrics.update(trainer.rollout_metrics(samples, metrics, time.perf_counter() - begin))
             observer.log(step, metrics)
+            if config.run.save_rollouts:
+                observer.save_rollouts(step, samples)
             last = metrics
             if config.run.eval_every and step % config.run.eval_every == 0:
                 observer.log(step, trainer.evaluate(step))

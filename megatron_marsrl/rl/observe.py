@@ -2,6 +2,7 @@
 one summary line per step and per evaluation, and the end-of-run results table."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -37,7 +38,8 @@ class Observer:
                  quiet: bool = False):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.dir = Path(run_dir) / "tensorboard"
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "tensorboard"
         path = Path(run_dir) / "metrics.jsonl"
         if not start_step:
             set_aside_old_logs(run_dir)
@@ -75,6 +77,14 @@ class Observer:
                                  refresh=False)
             self.bar.update(1)
 
+    def save_rollouts(self, step: int, samples) -> Path:
+        """The step's samples as JSON lines in run_dir/rollouts/step_NNNNNN.jsonl (a redone step
+        replaces its file)."""
+        path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(sample_record(s)) + "\n" for s in samples))
+        return path
+
     def _say(self, line: str) -> None:
         if self.quiet:
             return
@@ -88,6 +98,15 @@ class Observer:
             self.bar.close()
         self.writer.close()
         self.jsonl.close()
+
+
+def sample_record(sample) -> dict:
+    """A Sample as JSON-ready fields; metadata keeps its JSON values (the parent's reward, the
+    tokens' weight versions), not the MoE routing record."""
+    record = dataclasses.asdict(sample)
+    record["parse_status"] = sample.parse_status.value
+    record["metadata"] = {k: v for k, v in sample.metadata.items() if k != "routed_experts"}
+    return record
 
 
 def step_line(step: int, total: int, scalars: dict[str, float]) -> str:
@@ -163,11 +182,13 @@ def _num(value) -> str:
 def set_aside_old_logs(run_dir: str | Path) -> list[Path]:
     """A run starting at step 0 in a directory that already has logs (an earlier attempt that
     stopped before its first checkpoint, or --resume without one) starts fresh ones: the old
-    metrics.jsonl and tensorboard/ are renamed to metrics.<n>.jsonl and tensorboard.<n>/, the
-    way config.json is kept as config.<n>.json, so two runs' steps never mix."""
+    metrics.jsonl, tensorboard/ and rollouts/ are renamed to metrics.<n>.jsonl, tensorboard.<n>/
+    and rollouts.<n>/, the way config.json is kept as config.<n>.json, so two runs' steps never
+    mix."""
     run_dir = Path(run_dir)
     moved = []
-    for name, pattern in (("metrics.jsonl", "metrics.{}.jsonl"), ("tensorboard", "tensorboard.{}")):
+    for name, pattern in (("metrics.jsonl", "metrics.{}.jsonl"), ("tensorboard", "tensorboard.{}"),
+                          ("rollouts", "rollouts.{}")):
         old = run_dir / name
         if old.is_file() or (old.is_dir() and any(old.iterdir())):
             n = 1

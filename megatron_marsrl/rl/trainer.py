@@ -626,6 +626,9 @@ class _NullObserver:
     def log(self, step, metrics) -> None:
         pass
 
+    def save_rollouts(self, step, samples) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

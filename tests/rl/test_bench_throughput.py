@@ -84,6 +84,15 @@ def test_cpu_run_record_is_consistent(tmp_path):
     assert rec["train"]["tokens_per_s_per_gpu"] == pytest.approx(
         rec["train"]["trained_tokens"] / rec["train"]["time_s"] / rec["device"]["train_gpus"])
     assert rec["device"]["train_gpus"] == 2 and rec["nemo_rl"]["training_tp_cp_ep_pp_vpp"][2] == 2
+    # the saved requests, replayed as one engine batch per measured step
+    saved = sorted((tmp_path / "bench" / "run" / "rollouts").glob("step_*.jsonl"))
+    assert [p.name for p in saved] == ["step_000001.jsonl", "step_000002.jsonl", "step_000003.jsonl"]
+    rows = [json.loads(line) for line in saved[0].read_text().splitlines()]
+    assert rows and all(r["role"] == "solver" and r["prompt_token_ids"] and r["response_token_ids"] for r in rows)
+    batch = rec["rollout"]["engine_batch"]
+    assert batch["requests_per_step"] == rec["nemo_rl"]["g_gbs"] and batch["threads"] == 1
+    assert _finite_positive(batch["tokens_per_s"]) and batch["generated_tokens_per_step"] > 0
+    assert rec["rollout"]["over_engine_batch"] == pytest.approx(rec["rollout"]["tokens_per_s_per_gpu"] / batch["tokens_per_s"])
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
