@@ -59,12 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _groups() -> set[str]:
+    """The names that group subcommands ("convert", "bench")."""
+    return {name.split()[0] for name in SUBCOMMANDS if " " in name}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     # First pass finds the subcommand; its module then adds its own arguments.
     # Help flags are held back in that pass so `marsrl X --help` lists X's own options.
     first = [a for a in argv if a not in ("-h", "--help")]
+    if len(first) < len(argv) and first and first[0] in _groups() and " ".join(first[:2]) not in SUBCOMMANDS:
+        parser.parse_args(argv)  # `marsrl bench --help`: the group's help, listing its subcommands; exits
     known, _ = parser.parse_known_args(first) if first and not first[0].startswith("-") else (None, None)
     if known is None or getattr(known, "_module", None) is None:
         parser.parse_args(argv)  # prints help / version / the usage error and exits

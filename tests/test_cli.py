@@ -27,6 +27,13 @@ def test_version_and_help():
 def test_subcommand_help_lists_its_own_options():
     code, out = _marsrl("convert", "hf-to-mcore", "--help")
     assert code == 0 and "--input" in out and "--etp" in out
+    # a group's help lists its subcommands (it used to exit 2: "SUBCOMMAND is required")
+    for group, subs in (("convert", ("hf-to-mcore", "mcore-to-hf", "gguf-to-hf")),
+                        ("bench", ("throughput", "learning", "rollout", "weight-sync"))):
+        code, out = _marsrl(group, "--help")
+        assert code == 0 and all(s in out for s in subs), out
+    code, out = _marsrl("bench")
+    assert code == 2 and "required: SUBCOMMAND" in out
 
 
 def test_unknown_subcommand_is_an_error():
