@@ -34,6 +34,10 @@ def test_subcommand_help_lists_its_own_options():
         assert code == 0 and all(s in out for s in subs), out
     code, out = _marsrl("bench")
     assert code == 2 and "required: SUBCOMMAND" in out
+    code, out = _marsrl("train", "--help")  # every built-in recipe is named
+    from megatron_marsrl.rl.recipes import RECIPES
+
+    assert code == 0 and all(name in out for name in RECIPES), out
 
 
 def test_unknown_subcommand_is_an_error():

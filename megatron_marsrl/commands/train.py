@@ -21,7 +21,11 @@ import sys
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--recipe", required=True, help="built-in recipe name (tiny_arithmetic) or 'pkg.module:fn'")
+    from megatron_marsrl.rl.recipes import RECIPES
+
+    parser.add_argument("--recipe", required=True,
+                        help="a built-in recipe (tiny_arithmetic_sft_rl: the main job, `make run`; "
+                             f"all: {', '.join(RECIPES)}) or 'pkg.module:fn', a function returning a TrainConfig")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. run.steps=10 optim.lr=1e-5 parallel.tp=2 loss.tis={}")
     parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
