@@ -12,7 +12,8 @@ env-path:
 test:
 	@scripts/test.sh
 
-# The quick inner-loop suite: no multi-rank Megatron or SGLang engine tests.
+# The suite without the tests marked slow (the main job, SGLang engines, multi-node, most
+# multi-layout runs); still most of the suite's time.
 test-fast:
 	@scripts/test.sh -m "not slow"
 
