@@ -247,8 +247,9 @@ def run_bench(*, recipe: str, overrides: list[str], steps: int, output_dir: str 
     batch = engine_batch(config, run_dir, [r["step"] for r in measured], dtype=dtype,
                          threads=rank_threads(int(measured[0]["world/train_gpus"])))
     record["rollout"]["engine_batch"] = batch
-    record["rollout"]["over_engine_batch"] = _div(record["rollout"]["tokens_per_s_per_gpu"] or 0.0,
-                                                  batch["tokens_per_s"])
+    rollout_rate = record["rollout"]["tokens_per_s_per_gpu"]
+    record["rollout"]["over_engine_batch"] = (_div(rollout_rate, batch["tokens_per_s"])
+                                              if rollout_rate is not None and batch["tokens_per_s"] else None)
     record.update(recipe=recipe, overrides=list(overrides), steps=steps, output_dir=str(out), train_args=train_args)
     (out / "record.json").write_text(json.dumps(record, indent=2))
     _tensorboard(out / "tensorboard", measured, record, config=config, arch=arch, device=device)
@@ -286,7 +287,7 @@ def engine_batch(config, run_dir: Path, steps: list[int], *, dtype: str, threads
     pool = start_engines(config.engine, model_dir, dtype=getattr(torch, dtype))
     try:
         engine = pool.engines[0]
-        engine.generate(batches[0][:1])  # warm-up
+        engine.generate(next(b for b in batches if b)[:1])  # warm-up
         tokens, seconds = 0, 0.0
         for requests in batches:
             start = time.perf_counter()
