@@ -99,9 +99,10 @@ def dither_main_params(optimizer, *, seed: int = 0) -> int:
     every one sits exactly on the bf16 grid. An update then changes the forward only once a
     parameter's accumulated updates exceed half its bf16 spacing (1/512 to 1/256 of its
     magnitude): at RL learning rates (Adam moves each weight by about lr per step) most weights
-    stay frozen for several steps, and a run of a few tens of steps learns far less. A main copy anywhere inside its rounding cell makes the forward change by the
-    update in expectation from the first step, while the forward at step 0 is bit-identical
-    (every main copy still rounds to its parameter). Measured on SmolLM2-135M, Adam at lr 1e-5 on
+    stay frozen for several steps, and a run of a few tens of steps learns far less. A main copy
+    anywhere inside its rounding cell makes the forward change by the update in expectation from
+    the first step, while the forward at step 0 is bit-identical (every main copy still rounds
+    to its parameter). Measured on SmolLM2-135M, Adam at lr 1e-5 on
     one fixed batch, 20 steps: loss 2.04 -> 0.45 in fp32, 2.03 -> 0.86 in bf16 with main copies
     on the grid, 2.03 -> 0.45 dithered. Draws depend on `seed` and the parameter order only, so
     data-parallel replicas of a parameter get the same main copy. A checkpoint load afterwards

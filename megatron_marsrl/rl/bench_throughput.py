@@ -264,13 +264,12 @@ def engine_batch(config, run_dir: Path, steps: list[int], *, dtype: str, threads
     differ from the run's (other weights, other seeds), so compare tokens/s."""
     import torch
 
-    from megatron_marsrl.rollout.chat import load_tokenizer
+    from megatron_marsrl.rollout.chat import load_tokenizer, stop_token_ids
     from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
     from megatron_marsrl.rollout.factory import start_engines
 
     model_dir = str(config.model.start_checkpoint(run_dir))
-    eos = load_tokenizer(model_dir).eos_token_id
-    stop = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+    stop = stop_token_ids(load_tokenizer(model_dir))
     s = config.rollout.sampling
     batches = []
     for step in steps:

@@ -21,6 +21,12 @@ def load_tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The token ids generation stops on: the tokenizer's EOS (one id or several)."""
+    eos = tokenizer.eos_token_id
+    return tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+
+
 class EngineChatGenerator:
     """Samples chat completions from an EnginePool (or anything with ``async generate``)."""
 
@@ -37,8 +43,7 @@ class EngineChatGenerator:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.chat_template_kwargs = chat_template_kwargs or {}
-        eos = tokenizer.eos_token_id
-        self._stop_ids = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else ()
+        self._stop_ids = stop_token_ids(tokenizer)
 
     def prompt_ids(self, messages) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
