@@ -12,7 +12,10 @@
   the engine starts the request: waiting for the engine's capacity does not count.
 - Recovery: an engine whose process died is restarted in the background; it rejoins only
   once its weights are current again (its version equals the pool's, e.g. after the next
-  :meth:`update_weights`), so no sample comes from stale weights.
+  :meth:`update_weights`), so no sample comes from stale weights. When every engine is dead
+  or restarting after the first update, no engine can serve the current weights before the
+  next update (a restart brings back the initial weights): requests fail at once instead of
+  waiting ``wait_for_engine``, so the trainer aborts the step and a resume redoes it.
 - Bounded concurrency, per-request timeouts, and :meth:`abort` of everything in flight.
 - Weights: an engine next to the trainer rank that exports them takes each bucket from it
   directly (shared memory / CUDA IPC); engines on other GPUs or nodes (another node's engines,
@@ -91,8 +94,11 @@ class EnginePool:
 
     # ---- routing -----------------------------------------------------------------------
     def _usable(self, slot: _Slot) -> bool:
-        alive = getattr(slot.engine, "alive", lambda: True)()
-        return alive and not slot.restarting and slot.engine.weight_version == self.version
+        return not self._gone(slot) and slot.engine.weight_version == self.version
+
+    @staticmethod
+    def _gone(slot: _Slot) -> bool:
+        return slot.restarting or not getattr(slot.engine, "alive", lambda: True)()
 
     async def _pick(self, avoid: set[int]) -> int:
         deadline = asyncio.get_running_loop().time() + self.wait_for_engine
@@ -101,6 +107,9 @@ class EnginePool:
             preferred = [i for i in usable if i not in avoid] or usable
             if preferred:
                 return min(preferred, key=lambda i: self._slots[i].inflight)
+            if self.version > 0 and all(self._gone(s) for s in self._slots):
+                raise RequestFailedError(f"every engine died or is restarting, and a restarted engine holds the "
+                                         f"initial weights, not version {self.version}: none can serve this step")
             if asyncio.get_running_loop().time() > deadline:
                 raise RequestFailedError(f"no usable engine for {self.wait_for_engine:.0f} s")
             await asyncio.sleep(0.2)
@@ -137,7 +146,10 @@ class EnginePool:
         async with self._sem:
             errors, tried = [], set()
             for attempt in range(self.max_attempts):
-                idx = await self._pick(tried)
+                try:
+                    idx = await self._pick(tried)
+                except RequestFailedError as exc:
+                    raise RequestFailedError(f"request {request.rid!r}: {exc}" + "".join(f"; {e}" for e in errors)) from None
                 slot = self._slots[idx]
                 slot.inflight += 1
                 try:
@@ -195,7 +207,7 @@ class EnginePool:
     def update_weights(self, buckets, *, version: int) -> int:
         """Apply each bucket to every live engine (directly, or by broadcast); bumps the pool's
         version. Returns the tensors applied, summed over the engines."""
-        live = [s for s in self._slots if getattr(s.engine, "alive", lambda: True)() and not s.restarting]
+        live = [s for s in self._slots if not self._gone(s)]
         direct = [s.engine for s in live if not s.by_broadcast]
         sender = self._broadcast_sender([s.engine for s in live if s.by_broadcast])
         applied = 0

@@ -186,6 +186,35 @@ def test_train_with_sglang_engine(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_engine_dying_mid_step_aborts_the_step_and_a_resume_redoes_it(tmp_path):
+    """The SGLang server killed while step 2 generates: its requests fail, the pool restarts it
+    in the background, but a restarted server holds the initial weights, so the step is aborted
+    at once on every rank (not after `wait_for_engine`), a checkpoint to redo it from is saved
+    and the run exits with the failure; --resume redoes step 2 on a new server and goes on."""
+    import psutil
+
+    run = tmp_path / "run"
+    args = ("--engine", "sglang_server", "run.steps=3", "run.checkpoint_every=0", "run.eval_every=0")
+    proc = subprocess.Popen(_cmd(run, *args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    # step 1's record is written after its weight sync: step 2's rollout is what runs next
+    _wait_for(lambda: max(step_metrics(run)) >= 1, proc)
+    servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "sglang.launch_server" in " ".join(p.cmdline())]
+    assert len(servers) == 1, servers
+    for p in [servers[0], *servers[0].children(recursive=True)]:
+        p.kill()
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert "initial weights, not version 1" in out, out[-5000:]
+    assert sorted(step_metrics(run)) == [1]
+    state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
+    assert state["step"] == 1  # saved by the abort: there are no periodic checkpoints
+    train(run, *args, "--resume", timeout=900)
+    _check_steps(run, 3)  # step 2 redone from version 1 by the new server, then step 3
+
+
+@pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     # DMMPT's per-step gate comes from the previous step's entropy: the checkpoint must carry it

@@ -356,3 +356,26 @@ def test_engine_side_errors_are_not_retried(hf_engines):
     with pytest.raises(RuntimeError, match="index out of range"):
         asyncio.run(pool.generate(_reqs(1)[0]))
     assert broken.calls == 1 and spare.calls == 0 and pool.failures == []
+
+
+def test_when_every_engine_died_after_an_update_requests_fail_at_once(hf_engines):
+    """A restarted engine comes back with its initial weights: once the pool is past version 0
+    and no engine is left, waiting `wait_for_engine` cannot help; the request fails at once,
+    named, with the attempt that found its engine dead (the trainer aborts the step)."""
+    class Restarting(Counting):
+        def restart(self):  # as SGLangServer.restart: a new process, the model path's weights
+            time.sleep(1.0)
+            self.engine.weight_version = 0
+            super().restart()
+
+    dead = Restarting(hf_engines[0], fail=True)
+    pool = EnginePool([dead], wait_for_engine=600.0)
+    pool.version = dead.engine.weight_version = 1  # the engine had taken the first update
+    start = time.perf_counter()
+    with pytest.raises(RequestFailedError, match=r"'q0'.*initial weights, not version 1.*connection reset"):
+        asyncio.run(pool.generate(_reqs(1)[0]))
+    assert time.perf_counter() - start < 5.0
+    time.sleep(1.5)
+    assert dead.restarts == 1
+    pool.version = 0  # before any update, a restarting engine is worth waiting for
+    assert asyncio.run(pool.generate(_reqs(1)[0])).rid == "q0"
