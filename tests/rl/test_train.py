@@ -463,6 +463,13 @@ def test_one_policy_per_role_with_reference_kl(tmp_path):
     assert m[3]["train/kl"] > 0  # the policies moved away from the frozen reference
     assert sorted(p.name for p in (run / "checkpoints" / "step_000003").glob("policy_*")) == \
         ["policy_corrector", "policy_solver", "policy_verifier"]
+    # resumed with one shared policy instead: refused by name, the run left as it was
+    before, saved = (run / "metrics.jsonl").read_text(), sorted((run / "checkpoints").iterdir())
+    proc = subprocess.run(_cmd(run, "run.steps=4", "run.checkpoint_every=0", "--resume"), capture_output=True,
+                          text=True, timeout=600, env=_env())
+    assert proc.returncode != 0
+    assert "has no checkpoint of policies ['shared']" in proc.stderr and "policy.sharing changed?" in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before and sorted((run / "checkpoints").iterdir()) == saved
 
 
 def _two_node_groups(run: Path, *args: str, timeout: float = 900) -> list[subprocess.CompletedProcess]:
