@@ -85,3 +85,32 @@ def exit_with_launcher(poll_s: float = 1.0) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="marsrl-launcher-watch", daemon=True).start()
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a request to stop: the first sets :attr:`name` (the trainer finishes
+    or aborts the running step, saves a checkpoint and exits); the same request again, more than
+    ``repeat_after`` seconds later, stops at once (KeyboardInterrupt, no checkpoint). torchrun and
+    Slurm forward a signal to every rank, often a second time right away: a repeat within
+    ``repeat_after`` seconds is that echo and changes nothing."""
+
+    def __init__(self, repeat_after: float = 5.0):
+        self.repeat_after = repeat_after
+        self.name: str | None = None
+        """The first signal's name ("SIGTERM"), None until one arrived."""
+        self._time = 0.0
+
+    def install(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.name is not None:
+            if time.monotonic() - self._time > self.repeat_after:
+                raise KeyboardInterrupt
+            return
+        self.name, self._time = signal.Signals(signum).name, time.monotonic()
+        log.warning("%s received: stopping the running step, saving a checkpoint, then exiting "
+                    "(the step is redone on --resume; send the signal again to stop at once)", self.name)
+

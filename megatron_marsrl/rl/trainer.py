@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -29,7 +28,7 @@ from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
 from megatron_marsrl.megatron.parallel import gather_data_parallel, init_parallel
 from megatron_marsrl.precision import choose_dtype
-from megatron_marsrl.procs import exit_with_launcher
+from megatron_marsrl.procs import StopSignals, exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
 from megatron_marsrl.rl.node_engines import NodeEngines, NodeRank, check_placement, gather_remote, spreads
@@ -96,9 +95,7 @@ class Trainer:
         """Each policy's mean token entropy in the last step trained (all ranks): DMMPT's gate."""
         self._step_updates: defaultdict[str, list[dict]] = defaultdict(list)
         """The running step's PPO mini-batch updates per policy (their optimizer reports)."""
-        self._stop_signal, self._stop_time = None, 0.0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        self.stop_signals = StopSignals().install()
         if resume:
             try:
                 self._resume()
@@ -214,20 +211,9 @@ class Trainer:
                   file=terminal(), flush=True)
         return out / "hf"
 
-    def _on_signal(self, signum, frame) -> None:
-        # torchrun and Slurm forward the signal to every rank, often a second time right away:
-        # only a repeat after a few seconds means "stop now, without a checkpoint".
-        if self._stop_signal is not None:
-            if time.monotonic() - self._stop_time > 5:
-                raise KeyboardInterrupt
-            return
-        self._stop_signal, self._stop_time = signal.Signals(signum).name, time.monotonic()
-        log.warning("%s received: stopping the running step, saving a checkpoint, then exiting "
-                    "(the step is redone on --resume; send the signal again to stop at once)", self._stop_signal)
-
     def stop_requested(self) -> bool:
         """True on every rank when any rank got SIGTERM/SIGINT."""
-        flag = torch.tensor([1 if self._stop_signal else 0])
+        flag = torch.tensor([1 if self.stop_signals.name else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
@@ -321,8 +307,8 @@ class Trainer:
         import queue
 
         while True:
-            if self._stop_signal:
-                raise _Interrupted(self._stop_signal)
+            if self.stop_signals.name:
+                raise _Interrupted(self.stop_signals.name)
             try:
                 return self.rollout.driver.next_unit(timeout=0.5)
             except queue.Empty:
