@@ -318,11 +318,6 @@ class Trainer:
         """Advantages of one unit (all its groups pool within one problem; kept on each
         `Sample.advantage`), training sequences, and scheduler items (one list per group)."""
         unit_samples = [s for g in unit for s in g.samples]
-        if self.config.loss.old_logprobs == "rollout":
-            missing = [s.sample_id for s in unit_samples if s.response_token_ids and s.rollout_logprobs is None]
-            if missing:
-                raise ValueError(f"loss.old_logprobs=rollout needs the engine's log-probs, but samples {missing[:3]} "
-                                 "have none: use an engine that reports them, or loss.old_logprobs=current")
         adv = compute_advantages(batch_from_samples(unit_samples), self.config.advantage)
         out = []
         mask_old = self.config.pipeline.segment_old_tokens == "mask"

@@ -62,6 +62,13 @@ class EngineOutput:
     of dense layers hold no routing (-1 from the embedded engine, 0 from SGLang). None if not
     asked for or the request was aborted."""
 
+    def __post_init__(self) -> None:
+        # Training reads one log-prob per output token (loss.old_logprobs=rollout, TIS, the
+        # mismatch metrics): an engine that reports fewer is refused here, at the boundary.
+        if self.finish_reason != "abort" and len(self.logprobs) != len(self.output_ids):
+            raise ValueError(f"request {self.rid!r}: the engine returned {len(self.logprobs)} log-probs for "
+                             f"{len(self.output_ids)} output tokens; every output token needs its log-prob")
+
 
 class EngineUnavailableError(ConnectionError):
     """The engine (its process, connection or batcher) is gone: the request may be retried on

@@ -165,7 +165,7 @@ def to_record(req: EngineRequest, out: dict, weight_version: int, *,
     if req.return_routed_experts and finish != "abort":
         routed = _routed_experts(req, meta, len(req.prompt_ids) + len(output_ids) - 1, experts_layout)
     return EngineOutput(rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=output_ids,
-                        logprobs=[entry[0] for entry in meta["output_token_logprobs"]],
+                        logprobs=[entry[0] for entry in meta.get("output_token_logprobs") or []],
                         finish_reason=finish, weight_version=weight_version, routed_experts=routed)
 
 

@@ -52,6 +52,21 @@ def test_sglang_record_decodes_routed_experts():
         to_record(req, out, 0, experts_layout=(2, 2))
 
 
+
+def test_a_record_without_a_log_prob_per_token_is_refused_at_the_engine_boundary():
+    """Training needs the engine's log-prob of every output token (loss.old_logprobs=rollout, TIS,
+    the mismatch metrics): an SGLang result without them is an error naming the request, not a
+    sample that trains against zeros; an aborted request may carry fewer."""
+    req = EngineRequest(prompt_ids=[1, 2, 3], rid="r7")
+    out = {"output_ids": [7, 8, 9], "meta_info": {"finish_reason": {"type": "stop"}}}
+    with pytest.raises(ValueError, match=r"'r7': the engine returned 0 log-probs for 3 output tokens"):
+        to_record(req, out, 0)
+    out["meta_info"]["output_token_logprobs"] = [[-1.0, 7, None]] * 2
+    with pytest.raises(ValueError, match="returned 2 log-probs for 3"):
+        to_record(req, out, 0)
+    out["meta_info"]["finish_reason"] = {"type": "abort"}
+    assert to_record(req, out, 0).finish_reason == "abort"
+
 def _assert_replay_helps(r):
     assert r["rows_ok"] and r["engine_vs_hf_routing"] > 0.99, r
     same, moved = r["identical"], r["perturbed"]
