@@ -1,8 +1,24 @@
+import os
+
 import pytest
 
 from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
 pytest_plugins = ["pytester", "tests.timeout_plugin"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launch_fork_server():
+    """The tests' Megatron jobs (`launch`) fork their ranks from one process that imported torch
+    and megatron.core once: ~2 s per 2-rank job instead of ~12 (megatron/launch.py).
+    MARSRL_LAUNCH_FORK=0 starts a new interpreter per rank, as outside the tests."""
+    if os.environ.get("MARSRL_LAUNCH_FORK", "1") == "0":
+        yield None
+        return
+    from megatron_marsrl.megatron.launch import fork_server
+
+    with fork_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

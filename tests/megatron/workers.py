@@ -1,6 +1,8 @@
 """Functions run on each rank by megatron_marsrl.megatron.launch in the multi-rank tests."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_marsrl.megatron.forward import full_logits
@@ -314,3 +316,11 @@ def dithered_main_params(hf_dir: str, layout: dict, lr: float = 1e-5) -> dict:
         stepped = sum(float((main.double() - m).abs().sum()) for (_, main), m in zip(pairs, mains))
         result["reached_dithered" if dithered else "reached_on_grid"] = reached / stepped
     return result
+
+
+def process_facts(fail_rank: int = -1) -> dict:
+    """Where this rank runs (for the launcher's own tests); rank `fail_rank` raises instead."""
+    rank = int(os.environ["RANK"])
+    if rank == fail_rank:
+        raise RuntimeError(f"rank {rank} failed on purpose")
+    return {"rank": rank, "pid": os.getpid(), "ppid": os.getppid(), "marker": os.environ.get("MARSRL_TEST_MARKER")}
