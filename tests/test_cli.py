@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megatron_marsrl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +47,7 @@ def test_unknown_subcommand_is_an_error():
     assert code == 2 and "invalid choice" in out
 
 
+@pytest.mark.slow
 def test_train_recipe_errors_and_a_config_file(tmp_path, monkeypatch):
     code, out = _marsrl("train", "--recipe", "nosuch", "--print-config")
     assert code == 2 and "unknown recipe 'nosuch'" in out and "smollm2_arithmetic" in out, out
@@ -64,6 +67,7 @@ def test_train_recipe_errors_and_a_config_file(tmp_path, monkeypatch):
     assert code == 2 and "stepz" in out, out
 
 
+@pytest.mark.slow
 def test_bench_convert_prints_and_records_figures(tmp_path):
     out_json = tmp_path / "bench.json"
     code, out = _marsrl("bench", "convert", "--size-mb", 40, "--repeats", 1, "--json", out_json)
@@ -76,6 +80,7 @@ def test_bench_convert_prints_and_records_figures(tmp_path):
     assert "x raw" in out
 
 
+@pytest.mark.slow
 def test_selfcheck_main_job_passes(tmp_path):
     code, out = _marsrl("selfcheck", "--out", tmp_path / "selfcheck")
     assert code == 0, out[-3000:]
@@ -83,6 +88,7 @@ def test_selfcheck_main_job_passes(tmp_path):
     assert (tmp_path / "selfcheck" / "mcore" / "marsrl_checkpoint.json").is_file()
 
 
+@pytest.mark.slow
 def test_bench_rollout_and_weight_sync_report_figures(tmp_path):
     code, out = _marsrl("bench", "rollout", "--engines", "hf", "--batch", 2, "--new-tokens", 8, "--repeats", 1,
                         "--json", tmp_path / "r.json")
@@ -97,7 +103,6 @@ def test_bench_rollout_and_weight_sync_report_figures(tmp_path):
 
 
 def test_engine_factory_rejects_bad_input(tmp_path):
-    import pytest
 
     from megatron_marsrl.rollout.factory import make_engine
 
@@ -109,7 +114,6 @@ def test_engine_factory_rejects_bad_input(tmp_path):
 
 
 def test_engine_config_validates_gpu_placement():
-    import pytest
 
     from megatron_marsrl.rollout.factory import RolloutEngineConfig
 
@@ -125,7 +129,6 @@ def test_engine_config_validates_gpu_placement():
 def test_engines_on_other_nodes_must_be_reachable_and_split_engines_off_the_trainer_gpus(monkeypatch):
     import dataclasses
 
-    import pytest
     import torch
 
     from megatron_marsrl.rl.node_engines import NodeRank, check_placement

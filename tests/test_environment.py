@@ -3,6 +3,7 @@ installs, agrees with the top-level pins, is part of the environment's key, and 
 running environment holds."""
 import importlib.metadata
 import re
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,10 @@ def test_the_lock_is_part_of_the_environment_key_and_what_env_sh_installs():
 
 
 def test_the_running_environment_is_the_lock():
-    installed = {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # the environment's own site-packages only: once setuptools is imported, sys.path also holds
+    # its vendored packages (e.g. an older packaging's dist-info)
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     lock = pins(LOCK)
     differ = {name: (version, installed.get(name)) for name, version in lock.items() if installed.get(name) != version}
     assert not differ, f"lock vs installed (rebuild the environment with scripts/env.sh): {differ}"

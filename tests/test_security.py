@@ -292,6 +292,7 @@ def _load_model(hf_dir: str, ckpt: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_a_missing_checkpoint_key_is_an_error_naming_it(tiny_hf, tmp_path):
     from megatron_marsrl.megatron.launch import launch
 

@@ -23,6 +23,7 @@ def _no_partial_outputs(out: Path):
     assert not list(out.parent.glob(f".{out.name}.partial-*"))
 
 
+@pytest.mark.slow
 def test_round_trip_tp2_ep2_then_pp2_is_bit_exact(tiny_hf, tmp_path):
     hf = Path(tiny_hf("qwen3_moe"))
     code, log = _tool("convert_hf_to_mcore.py", "--input", hf, "--output", tmp_path / "mc", "--tp", 2, "--ep", 2)
@@ -38,6 +39,7 @@ def test_round_trip_tp2_ep2_then_pp2_is_bit_exact(tiny_hf, tmp_path):
     assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_sharded_index_input_is_read(tiny_hf, tmp_path):
     from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
@@ -138,6 +140,7 @@ def test_corrupt_safetensors_file_leaves_no_output(tiny_hf, tmp_path):
     _no_partial_outputs(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_failure_inside_the_ranks_is_reported_and_leaves_nothing(tiny_hf, tmp_path):
     code, log = _tool("convert_hf_to_mcore.py", "--input", tiny_hf("llama"), "--output", tmp_path / "mc")
     assert code == 0, log

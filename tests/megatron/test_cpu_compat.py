@@ -28,6 +28,7 @@ def test_noop_when_cuda_is_available():
     assert out == "True False"
 
 
+@pytest.mark.slow
 def test_patches_are_scoped_to_megatron():
     out = _run("""
         import torch
@@ -43,6 +44,7 @@ def test_patches_are_scoped_to_megatron():
     assert out == "cpu meta torch.FloatTensor True"
 
 
+@pytest.mark.slow
 def test_rng_tracker_forks_cpu_generator():
     out = _run("""
         import torch

@@ -56,6 +56,7 @@ def _finite_positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 def test_cpu_run_record_is_consistent(tmp_path):
     out_json = tmp_path / "record.json"
     proc = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "bench", "throughput", "--steps", "3",

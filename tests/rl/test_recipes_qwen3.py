@@ -34,6 +34,7 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_dry_run_fits_under_80_gib(name):
     proc = _dry_run("--recipe", name, "--nodes", str(_nodes(name)))

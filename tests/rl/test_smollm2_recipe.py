@@ -20,6 +20,7 @@ def _train(run_dir, *args, timeout=900) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
+@pytest.mark.slow
 def test_dry_run_reads_the_architecture_from_the_gguf_file(tmp_path):
     proc = _train(tmp_path / "run", "--dry-run", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

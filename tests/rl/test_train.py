@@ -82,10 +82,19 @@ def _check_steps(run_dir: Path, steps: int) -> dict[int, dict]:
     return metrics
 
 
-def test_train_end_to_end_embedded_engine(tmp_path):
-    run = tmp_path / "run"
-    # with MoE routing replay: the engine records each token's experts, Megatron replays them
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One 3-step run of the embedded engine with MoE routing replay (the engine records each
+    token's experts, Megatron replays them) and held-out evaluation at steps 0 and 3, read by
+    the tests below that only look at what a run leaves behind."""
+    run = tmp_path_factory.mktemp("reference") / "run"
     proc = train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=3", "engine.routed_experts=true")
+    return run, proc
+
+
+@pytest.mark.slow
+def test_train_end_to_end_embedded_engine(reference_run, tmp_path):
+    run, proc = reference_run
     metrics = _check_steps(run, 3)
     # every token x layer the engine recorded was routed from the record in training
     assert all(m["train/routing_replayed"] == 1.0 for m in metrics.values()), [m["train/routing_replayed"] for m in metrics.values()]
@@ -112,6 +121,7 @@ def test_train_end_to_end_embedded_engine(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_time_shared_colocation_runs_its_phases_in_order(tmp_path):
     """pipeline.time_shared: the trainer leaves the GPU before the engines start; each step
     releases the engines and brings the trainer back after the rollout, and offloads the trainer
@@ -149,18 +159,18 @@ CHATTER = ("Params for bucket", "param.main_grad.dtype",  # Megatron's gradient-
            "Warning", "WARNING", "is not installed", "DEPRECATED", "Timeout is disabled")  # warnings, math-verify
 
 
-def test_console_shows_progress_and_results_and_the_log_keeps_the_rest(tmp_path):
-    run = tmp_path / "run"
-    proc = train(run, "run.steps=2", "run.eval_every=2", "run.checkpoint_every=0")
+@pytest.mark.slow
+def test_console_shows_progress_and_results_and_the_log_keeps_the_rest(reference_run, tmp_path):
+    run, proc = reference_run
     console = proc.stdout + proc.stderr
     for chatter in CHATTER:
         assert chatter not in console, (chatter, console[-3000:])
     assert proc.stderr.strip() == ""  # rank 1 prints nothing, rank 0 nothing but stdout
     lines = proc.stdout.splitlines()
-    for step in (1, 2):
-        assert any(line.startswith(f"step {step}/2  solver ") and " s " in line for line in lines), lines
+    for step in (1, 2, 3):
+        assert any(line.startswith(f"step {step}/3  solver ") and " s " in line for line in lines), lines
     # the held-out results table, before and after training
-    assert re.search(r"^held-out evaluation +step 0 +step 2$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^held-out evaluation +step 0 +step 3$", proc.stdout, re.M), proc.stdout
     for role in ROLES:
         assert re.search(rf"^  {role} reward_mean +-?[\d.]+ +-?[\d.]+$", proc.stdout, re.M), proc.stdout
     assert f"Log: {run / 'train.log'}" in proc.stdout
@@ -408,6 +418,7 @@ def test_main_job_warm_starts_then_rl_improves_every_role_on_held_out_problems(t
     assert (run / "warm_start" / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     """pipeline.segment_tokens=1: outputs of up to 3 tokens take up to 3 steps; their earlier
     tokens come from older weights and are masked; groups train when their last sample ends."""
@@ -425,6 +436,7 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     assert 5 in step_metrics(run)
 
 
+@pytest.mark.slow
 def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per_step_dmmpt_gate(tmp_path):
     """Several optimizer updates per RL step whose later mini-batches see ratios != 1 (measured
     against the engine's log-probs), so GSPO's tight sequence clips act; Dr. MAS pools the two

@@ -76,6 +76,7 @@ def _assert_replay_helps(r):
     assert moved["replay"]["mean"] < moved["no_replay"]["mean"] / 10, r
 
 
+@pytest.mark.slow
 def test_replay_reduces_mismatch_with_the_embedded_engine(tiny_hf):
     r = launch("tests.rollout.routing_workers:replay_vs_engine", 1,
                {"hf_dir": tiny_hf("qwen3_moe"), "layout": {}, "engine": "hf"}, env={"OMP_NUM_THREADS": "1"})[0]
