@@ -1,5 +1,6 @@
 """The `marsrl` console command and the benchmark script, run as a user would."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ def test_version_and_help():
     assert code == 0 and megatron_marsrl.__version__ in out
     code, out = _marsrl("--help")
     assert code == 0
-    for sub in ("selfcheck", "convert", "bench", "solve", "eval"):
-        assert sub in out
+    for sub in ("train", "sft", "selfcheck", "convert", "bench", "solve", "eval"):
+        assert re.search(rf"^    {sub}\b", out, re.M), (sub, out)  # listed as a subcommand
 
 
 def test_subcommand_help_lists_its_own_options():
