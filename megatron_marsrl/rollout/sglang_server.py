@@ -13,6 +13,7 @@ server. A server bound to anything but loopback therefore needs an API key (SGLa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -250,28 +251,25 @@ class SGLangServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    def stop(self) -> None:
+        """Kill the server's process group at once. A server we stop has nothing to save (its
+        requests are answered or given up, its weights come from the trainer), and SIGTERM buys
+        nothing: SGLang takes its scheduler's death as a crash and sleeps 5 s for crash
+        diagnostics before exiting (6.0 s per stop measured, 0.1 s killed; both leave the same
+        /dev/shm and /tmp files behind)."""
+        self.kill()
         _RUNNING.discard(self)
 
     def kill(self) -> None:
-        """Kill the whole server process group at once (what a crash looks like)."""
+        """Kill the whole server process group at once; without `stop`'s bookkeeping, this is
+        what a crash looks like to the pool (which restarts the server)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def restart(self) -> "SGLangServer":
-        self.stop(grace=2.0)
+        self.stop()
         self.weight_version = 0
         return self.start()
 
@@ -428,4 +426,4 @@ class SGLangServer:
 @atexit.register
 def _stop_all() -> None:
     for server in list(_RUNNING):
-        server.stop(grace=2.0)
+        server.stop()
