@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_environment import normalized, pins as _pins
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_TORCH = "2.14.0a0"
 """torch of the NGC base image (26.09: 2.14.0a0+...nv26.09)."""
-PIN = re.compile(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==(\S+)$")
 
 
 def parse_dockerfile(text: str) -> list[tuple[str, str]]:
@@ -52,22 +53,11 @@ def _args(instructions) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _pins(path: Path) -> dict[str, str]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line:
-            match = PIN.match(line)
-            assert match, f"{path.name}: {line!r} is not an exact pin"
-            pins[match.group(1).lower().replace("_", "-")] = match.group(2)
-    return pins
-
-
 def _version_args_by_package(instructions) -> dict[str, str]:
     """Package -> the ARG its pin uses, from every `name[extras]==${ARG}` in the file."""
     text = "\n".join(args for _, args in instructions)
     found = re.findall(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==\$\{(\w+)\}", text)
-    return {name.lower().replace("_", "-"): arg for name, arg in found}
+    return {normalized(name): arg for name, arg in found}
 
 
 def test_base_is_ngc_pytorch_pinned_through_an_arg():

@@ -11,7 +11,8 @@ LOCK = ROOT / "requirements" / "cpu.lock"
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==(\S+)$")
 
 
-def _name(name: str) -> str:
+def normalized(name: str) -> str:
+    """A package name as PyPI compares them (PEP 503)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
@@ -24,7 +25,7 @@ def pins(path: Path) -> dict[str, str]:
         if line:
             match = PIN.match(line)
             assert match, f"{path.name}: {line!r} is not an exact pin"
-            out[_name(match.group(1))] = match.group(2)
+            out[normalized(match.group(1))] = match.group(2)
     return out
 
 
@@ -46,7 +47,7 @@ def test_the_running_environment_is_the_lock():
     # the environment's own site-packages only: once setuptools is imported, sys.path also holds
     # its vendored packages (e.g. an older packaging's dist-info)
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    installed = {_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
+    installed = {normalized(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     lock = pins(LOCK)
     differ = {name: (version, installed.get(name)) for name, version in lock.items() if installed.get(name) != version}
     assert not differ, f"lock vs installed (rebuild the environment with scripts/env.sh): {differ}"
