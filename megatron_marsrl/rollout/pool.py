@@ -97,8 +97,12 @@ class EnginePool:
         return not self._gone(slot) and slot.engine.weight_version == self.version
 
     @staticmethod
-    def _gone(slot: _Slot) -> bool:
-        return slot.restarting or not getattr(slot.engine, "alive", lambda: True)()
+    def _alive(engine) -> bool:
+        """The engine's process runs (engines without `alive`, in-process ones, always do)."""
+        return getattr(engine, "alive", lambda: True)()
+
+    def _gone(self, slot: _Slot) -> bool:
+        return slot.restarting or not self._alive(slot.engine)
 
     async def _pick(self, avoid: set[int]) -> int:
         deadline = asyncio.get_running_loop().time() + self.wait_for_engine
@@ -127,7 +131,7 @@ class EnginePool:
         try:
             while not (started.done() or future.done()):
                 await asyncio.wait({started, future}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-                if not getattr(slot.engine, "alive", lambda: True)():
+                if not self._alive(slot.engine):
                     raise EngineUnavailableError("the engine died while the request was queued")
             return (await asyncio.wait_for(future, self.timeout.seconds([request])))[0]
         finally:
@@ -157,7 +161,7 @@ class EnginePool:
                     slot.served += 1
                     return output
                 except Exception as exc:
-                    alive = getattr(slot.engine, "alive", lambda: True)()
+                    alive = self._alive(slot.engine)
                     if not isinstance(exc, (*RETRYABLE, asyncio.TimeoutError)) and alive:
                         raise  # the engine's own answer about this request: the same everywhere
                     errors.append(f"engine {idx}: {type(exc).__name__}: {exc}")
@@ -191,7 +195,7 @@ class EnginePool:
     def _recover(self, idx: int) -> None:
         slot = self._slots[idx]
         engine = slot.engine
-        if slot.restarting or getattr(engine, "alive", lambda: True)() or not hasattr(engine, "restart"):
+        if slot.restarting or self._alive(engine) or not hasattr(engine, "restart"):
             return
         slot.restarting = True
         log.warning("engine %d died; restarting it in the background", idx)
