@@ -261,7 +261,9 @@ def test_sglang_server_killed_mid_generation(tiny_hf, tmp_path):
     finally:
         for s in servers:
             s.stop()
-    leftover = subprocess.run(["pgrep", "-f", "sglang.launch_server"], capture_output=True, text=True).stdout.split()
+    # this test's servers only (by their model directory): another pytest worker may be running its own
+    leftover = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{model}"], capture_output=True,
+                              text=True).stdout.split()
     assert not leftover, f"orphan SGLang processes: {leftover}"
 
 
