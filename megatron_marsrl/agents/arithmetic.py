@@ -123,7 +123,8 @@ VERIFIER = Role(name="verifier", input_keys=("problem", "solution"),
 CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "report"),
                  build_prompt=_prompt("fix : {problem} = {solution} {report} ="), parse_output=parse_answer,
                  reward=answer_reward)
-ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR)
+# A solution is passed on as its answer alone; a rejection as the verdict word.
+ROLES = RoleSet(solver=SOLVER, verifier=VERIFIER, corrector=CORRECTOR, solution_text=str, rejection_report="no")
 
 
 def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES, judged: int = 4) -> list[list[Message]]:
@@ -151,7 +152,7 @@ def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES, judged: int =
             for solution, verdict in ((p.answer, "yes"), (wrong, "no")):
                 out.append(roles.verifier.build_prompt({"problem": p.problem, "solution": solution})
                            + [{"role": "assistant", "content": verdict}])
-        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrongs[0], "report": "no"})
+        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrongs[0], "report": roles.rejection_report})
                    + [{"role": "assistant", "content": p.answer}])
     return out
 
@@ -199,4 +200,5 @@ CHAT_CORRECTOR = Role(name="corrector", input_keys=("problem", "solution", "repo
                                            "A checker replied: {report}\nGive the correct answer. "
                                            "Reply with the number only."),
                       parse_output=parse_chat_answer, reward=answer_reward)
-CHAT_ROLES = RoleSet(solver=CHAT_SOLVER, verifier=CHAT_VERIFIER, corrector=CHAT_CORRECTOR)
+CHAT_ROLES = RoleSet(solver=CHAT_SOLVER, verifier=CHAT_VERIFIER, corrector=CHAT_CORRECTOR, solution_text=str,
+                     rejection_report="no")

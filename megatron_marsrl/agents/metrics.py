@@ -12,6 +12,11 @@ correctness; `compute_metrics` turns annotated records into:
   corrector               fix rate: wrong input -> correct output; break rate:
                           correct input -> wrong output
   outcomes, parse         run outcomes and parse statuses per role
+  intervals               95% intervals of the solver's and the system's avg@k, of their paired
+                          difference (system - solver, the loop's gain on the same runs), of the
+                          verifier's precision / recall and the corrector's fix rate (bootstrap
+                          over problems, megatron_marsrl/stats.py), and of the vote accuracy
+                          (Wilson: one vote per problem)
 
 pass@k uses the unbiased estimator 1 - C(n-c, k) / C(n, k) for n runs, c correct.
 """
@@ -23,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_marsrl.rewards.math_match import answers_match
+from megatron_marsrl.stats import bootstrap_figures, wilson_interval
 
 
 def annotate(record: dict[str, Any], reference: str,
@@ -90,6 +96,42 @@ def _role_stats(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _problem_tally(record: dict[str, Any], k: int) -> Counter:
+    """One problem's additive counts behind `_interval_figures` (its first k runs)."""
+    t = Counter(runs=k, solver=sum(run["solver_correct"] for run in record["runs"][:k]),
+                system=sum(run["correct"] for run in record["runs"][:k]))
+    for run in record["runs"]:
+        cands = run["candidates"]
+        for step in run["steps"]:
+            if step["role"] == "verifier":
+                flagged = step["parsed"] != "correct"
+                t["tp" if flagged else "fn"] += not step["judged_correct"]
+                t["fp"] += flagged and step["judged_correct"]
+            elif step["role"] == "corrector" and not cands[step["candidate"] - 1]["correct"]:
+                t["wrong_inputs"] += 1
+                t["fixed"] += cands[step["candidate"]]["correct"]
+    return t
+
+
+def _interval_figures(sums) -> dict[str, float]:
+    t = Counter(sums)  # a count no problem had is 0
+    # every problem counts its first k runs, so avg@k is right runs over runs
+    out = {"solver_avg": t["solver"] / t["runs"], "system_avg": t["system"] / t["runs"],
+           "system_minus_solver": (t["system"] - t["solver"]) / t["runs"]}
+    for name, num, den in (("verifier_precision_wrong", t["tp"], t["tp"] + t["fp"]),
+                           ("verifier_recall_wrong", t["tp"], t["tp"] + t["fn"]),
+                           ("corrector_fix_rate", t["fixed"], t["wrong_inputs"])):
+        if den:
+            out[name] = num / den
+    return out
+
+
+def _intervals(scored: Sequence[dict[str, Any]], k: int) -> dict[str, dict[str, float]]:
+    estimates = bootstrap_figures([_problem_tally(r, k) for r in scored], _interval_figures, seed="marsrl-eval")
+    estimates["vote_accuracy"] = wilson_interval(sum(bool(r["final_correct"]) for r in scored), len(scored))
+    return {name: {"value": e.value, "low": e.low, "high": e.high} for name, e in estimates.items()}
+
+
 def compute_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Metrics of annotated records (see module docstring); k = fewest runs of any problem."""
     scored = [r for r in records if "final_correct" in r]
@@ -105,6 +147,7 @@ def compute_metrics(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "system": {**_accuracy_block(system, k),
                    "vote_accuracy": sum(r["final_correct"] for r in scored) / len(scored)},
         **_role_stats(scored),
+        "intervals": _intervals(scored, k),
     }
 
 
@@ -123,5 +166,8 @@ def format_metrics(m: dict[str, Any]) -> str:
              f"   recall(wrong) {pct(m['verifier']['recall_wrong'])}",
              f"corrector fix rate {pct(m['corrector']['fix_rate'])}   break rate {pct(m['corrector']['break_rate'])}"
              f"   calls {m['corrector']['calls']}",
-             f"outcomes {m['outcomes']}"]
+             f"outcomes {m['outcomes']}",
+             "95% intervals (bootstrap over problems; vote: Wilson):"]
+    for name, e in m["intervals"].items():
+        lines.append(f"  {name:<26} {pct(e['value'])} [{pct(e['low'])}, {pct(e['high'])}]")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ Inputs each built-in role reads:
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -117,6 +117,16 @@ NO_ANSWER_REPORT = (
 )
 
 
+# What the held-out evaluation (agents/heldout.py) hands the Corrector as the Verifier's
+# rejection of a fixed wrong solution.
+REJECTION_REPORT = "Findings:\n1. The final answer is wrong.\nVerdict: Wrong"
+
+
+def boxed_solution(answer: str) -> str:
+    """A solution as the MarsRL Solver passes it on, reduced to its final answer."""
+    return f"The final answer is \\boxed{{{answer}}}."
+
+
 def _template_prompt(template: str) -> PromptBuilder:
     def build(inputs: Mapping[str, str]) -> list[Message]:
         return [{"role": "user", "content": template.format(**inputs)}]
@@ -143,6 +153,11 @@ class RoleSet:
     """Reviews a solution; needs "problem", "solution"; its parser yields "correct" / "wrong"."""
     corrector: Role = CORRECTOR
     """Revises a solution given a report; needs "problem", "solution", "report"."""
+    solution_text: Callable[[str], str] = boxed_solution
+    """A final answer written as a solution the Verifier can judge (the held-out set's fixed
+    right and wrong solutions); the Verifier's reward must read the answer back from it."""
+    rejection_report: str = REJECTION_REPORT
+    """A Verifier's report rejecting a solution, as the Corrector receives it (held-out set)."""
 
     def __post_init__(self) -> None:
         needs = {"solver": {"problem"}, "verifier": {"problem", "solution"},

@@ -23,7 +23,8 @@ common run answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -165,19 +166,26 @@ class ReasoningSystem:
                              final_answer=vote(list(runs), self.same_answer))
 
 
-def run_accuracy(results: Sequence[ProblemResult], answers: Sequence[str],
-                 same_answer: Callable[[str, str], bool] = answers_match) -> dict[str, float]:
-    """Over every run of every problem: "accuracy" (the run's answer is right) and
-    "solver_accuracy" (its first solution, the Solver alone, is right): a paired comparison
-    of the loop with the Solver on the same samples."""
-    def right(answer: str | None, reference: str) -> float:
-        return 1.0 if answer is not None and same_answer(answer, reference) else 0.0
+def system_tally(result: ProblemResult, answer: str,
+                 same_answer: Callable[[str, str], bool] = answers_match) -> Counter:
+    """Counts of one problem's runs: ("system", "runs"), ("system", "right") (the run's answer is
+    right) and ("system", "solver_right") (its first solution, the Solver alone, is right)."""
+    def right(a: str | None) -> bool:
+        return a is not None and same_answer(a, answer)
 
-    pairs = [(run, ref) for result, ref in zip(results, answers, strict=True) for run in result.runs]
-    if not pairs:
+    return Counter({("system", "runs"): len(result.runs),
+                    ("system", "right"): sum(right(run.answer) for run in result.runs),
+                    ("system", "solver_right"): sum(right(run.candidates[0].answer) for run in result.runs)})
+
+
+def system_figures(t: Mapping) -> dict[str, float]:
+    """From summed `system_tally`s: "accuracy", "solver_accuracy" and "gain" (their difference:
+    a paired comparison of the loop with the Solver on the same runs)."""
+    runs = t.get(("system", "runs"), 0)
+    if not runs:
         return {}
-    return {"accuracy": sum(right(run.answer, ref) for run, ref in pairs) / len(pairs),
-            "solver_accuracy": sum(right(run.candidates[0].answer, ref) for run, ref in pairs) / len(pairs)}
+    accuracy, solver = t.get(("system", "right"), 0) / runs, t.get(("system", "solver_right"), 0) / runs
+    return {"accuracy": accuracy, "solver_accuracy": solver, "gain": accuracy - solver}
 
 
 def _answer_of(solution: Step) -> str | None:

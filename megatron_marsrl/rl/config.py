@@ -105,13 +105,16 @@ class TaskConfig:
     """Held-out problems for periodic evaluation (same forms); "" disables evaluation."""
     eval_size: int = 64
     """At most this many held-out problems per evaluation."""
+    eval_samples: int = 4
+    """k: samples of each role on each held-out case (agents/heldout.py); the intervals
+    resample problems, so k sharpens a problem's figure without counting as k problems."""
     tiny_model: dict = field(default_factory=dict)
     """Overrides of the tiny model's HF config when model.path == "task" (e.g. hidden_size)."""
     system: SystemConfig | None = None
     """At each evaluation, also run the V-C inference loop (`agents/system.py`) with these
     limits on the held-out problems, on the training engines: eval/system/accuracy (each run's
     answer) next to eval/system/solver_accuracy (the same runs' first solutions, the Solver
-    alone); None: not run."""
+    alone) and their paired difference eval/system/gain; None: not run."""
 
     def __post_init__(self) -> None:
         if self.name not in ("math", "arithmetic", "arithmetic_chat"):
@@ -120,6 +123,8 @@ class TaskConfig:
             raise ValueError("task.train is empty: give a JSONL file or a generator spec like 'arithmetic:train'")
         if self.eval_size < 1:
             raise ValueError(f"task.eval_size={self.eval_size}: must be >= 1")
+        if self.eval_samples < 1:
+            raise ValueError(f"task.eval_samples={self.eval_samples}: must be >= 1 (samples per held-out case)")
 
 
 @dataclass(kw_only=True)

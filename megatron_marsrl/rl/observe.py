@@ -116,9 +116,17 @@ def step_line(step: int, total: int, scalars: dict[str, float]) -> str:
 
 
 def eval_line(step: int, scalars: dict[str, float]) -> str:
-    """``eval @ step 30  solver reward -0.1 acc 0.02  verifier ...``."""
-    parts = [f"{role} reward {scalars[f'eval/{role}/reward_mean']:.3g}"
-             + (f" acc {scalars[f'eval/{role}/accuracy']:.3g}" if f"eval/{role}/accuracy" in scalars else "")
+    """``eval @ step 30  solver reward -0.1 acc 0.02 [0, 0.06]  verifier ...`` (the accuracy's 95%
+    interval where one was logged)."""
+    def accuracy(role: str) -> str:
+        key = f"eval/{role}/accuracy"
+        if key not in scalars:
+            return ""
+        interval = (f" [{scalars[key + '/ci_low']:.3g}, {scalars[key + '/ci_high']:.3g}]"
+                    if key + "/ci_low" in scalars and key + "/ci_high" in scalars else "")
+        return f" acc {scalars[key]:.3g}{interval}"
+
+    parts = [f"{role} reward {scalars[f'eval/{role}/reward_mean']:.3g}{accuracy(role)}"
              for role in ROLE_ORDER if f"eval/{role}/reward_mean" in scalars]
     if "eval/loss" in scalars:  # marsrl sft
         parts.append(f"loss {scalars['eval/loss']:.4g}")
@@ -127,7 +135,8 @@ def eval_line(step: int, scalars: dict[str, float]) -> str:
 
 def results_table(run_dir: str | Path) -> str:
     """The end-of-run table from run_dir/metrics.jsonl: held-out evaluation at the first and
-    the last evaluated step (when the run evaluates), then the last step's key figures."""
+    the last evaluated step (when the run evaluates), each figure with its 95% interval where
+    the run logged one, then the last step's key figures."""
     path = Path(run_dir) / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     evals = [r for r in records if any(k.startswith("eval/") for k in r)]
@@ -135,10 +144,11 @@ def results_table(run_dir: str | Path) -> str:
     lines = []
     if evals:
         cols = [evals[0], evals[-1]] if len(evals) > 1 else evals[:1]
-        lines.append(_row("held-out evaluation", [f"step {r['step']}" for r in cols]))
-        for key in sorted({k for r in cols for k in r if k.startswith("eval/")}, key=_eval_order):
+        lines.append(_row("held-out evaluation (95% interval)", [f"step {r['step']}" for r in cols]))
+        figures = {k for r in cols for k in r if k.startswith("eval/") and not k.endswith(CI_SUFFIXES)}
+        for key in sorted(figures, key=_eval_order):
             _, role, name = key.split("/", 2)
-            lines.append(_row(f"  {role} {name}", [_num(r.get(key)) for r in cols]))
+            lines.append(_row(f"  {role} {name}", [_with_interval(r, key) for r in cols]))
     if steps:
         last = steps[-1]
         lines.append(_row(f"last step ({last['step']})", []))
@@ -146,23 +156,29 @@ def results_table(run_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+CI_SUFFIXES = ("/ci_low", "/ci_high")
+"""Where a logged figure keeps its 95% interval: ``key/ci_low``, ``key/ci_high``."""
+
 HELD_OUT_CURVES = ("eval/solver/accuracy", "eval/verifier/balanced_accuracy", "eval/corrector/fix_rate",
                    "eval/system/accuracy", "eval/system/solver_accuracy")
 """The held-out figures drawn by `plot_held_out` (those the run logged)."""
 
 
 def plot_held_out(run_dir: str | Path) -> Path | None:
-    """run_dir/heldout.png: each `HELD_OUT_CURVES` metric over the evaluated steps; None when
-    the run never evaluated."""
+    """run_dir/heldout.png: each `HELD_OUT_CURVES` metric over the evaluated steps, with its
+    95% interval as a band; None when the run never evaluated."""
     from megatron_marsrl.rl.plot import line_chart
 
     path = Path(run_dir) / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     series = {key[5:]: [(r["step"], r[key]) for r in records if key in r] for key in HELD_OUT_CURVES}
+    bands = {key[5:]: [(r["step"], r[key + "/ci_low"], r[key + "/ci_high"]) for r in records
+                       if key + "/ci_low" in r and key + "/ci_high" in r] for key in HELD_OUT_CURVES}
     series = {name: points for name, points in series.items() if points}
     if not series:
         return None
-    return line_chart(series, Path(run_dir) / "heldout.png", title=f"held-out evaluation: {Path(run_dir).name}")
+    return line_chart(series, Path(run_dir) / "heldout.png", title=f"held-out evaluation: {Path(run_dir).name}",
+                      bands={name: band for name, band in bands.items() if band and name in series})
 
 
 def _eval_order(key: str) -> tuple:
@@ -172,7 +188,15 @@ def _eval_order(key: str) -> tuple:
 
 
 def _row(label: str, cells: list[str]) -> str:
-    return f"{label:<30}" + "".join(f"{c:>12}" for c in cells)
+    return f"{label:<36}" + "".join(f"{c:>24}" for c in cells)
+
+
+def _with_interval(record: dict, key: str) -> str:
+    """``0.255 [0.21, 0.30]`` (the value alone where no interval was logged)."""
+    low, high = record.get(key + "/ci_low"), record.get(key + "/ci_high")
+    if record.get(key) is None or low is None or high is None:
+        return _num(record.get(key))
+    return f"{record[key]:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _num(value) -> str:

@@ -37,18 +37,33 @@ def _legend(draw, names: list[str]) -> None:
 
 
 def line_chart(series: dict[str, list[tuple[float, float]]], path: str | Path, *, title: str,
-               x_label: str = "step") -> Path:
-    """One line (with dots) per named series of (x, y) points, y from 0 to at least 1."""
+               x_label: str = "step", bands: dict[str, list[tuple[float, float, float]]] | None = None) -> Path:
+    """One line (with dots) per named series of (x, y) points, y from 0 to at least 1; `bands`
+    (x, low, high) per series name are drawn behind its line in a light shade of its colour."""
+    from PIL import Image, ImageDraw
+
+    bands = bands or {}
     image, draw = _canvas(title)
     points = [p for pts in series.values() for p in pts]
     x_lo, x_hi = min((x for x, _ in points), default=0.0), max((x for x, _ in points), default=1.0)
-    y_max = max([1.0] + [y for _, y in points])
+    y_max = max([1.0] + [y for _, y in points] + [h for band in bands.values() for _, _, h in band])
     _axes(draw, y_max)
 
     def at(x: float, y: float) -> tuple[float, float]:
         span = (x_hi - x_lo) or 1.0
         return (_LEFT + (_W - _RIGHT - _LEFT) * (x - x_lo) / span, _H - _BOTTOM - (_H - _BOTTOM - _TOP) * y / y_max)
 
+    overlay = Image.new("RGBA", image.size, (255, 255, 255, 0))
+    shade = ImageDraw.Draw(overlay)
+    for i, name in enumerate(series):
+        band = sorted(bands.get(name, []))
+        if band:  # a polygon along the upper ends and back along the lower ones (a bar for one x)
+            edge = [at(x, h) for x, _, h in band] + [at(x, lo) for x, lo, _ in reversed(band)]
+            if len(band) == 1:
+                (x, y_hi), (_, y_lo) = edge
+                edge = [(x - 4, y_hi), (x + 4, y_hi), (x + 4, y_lo), (x - 4, y_lo)]
+            shade.polygon(edge, fill=(*COLORS[i % len(COLORS)], 50))
+    image.paste(overlay, mask=overlay)
     for i, pts in enumerate(series.values()):
         color = COLORS[i % len(COLORS)]
         xy = [at(x, y) for x, y in sorted(pts)]

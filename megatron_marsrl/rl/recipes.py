@@ -70,7 +70,8 @@ def tiny_arithmetic_sft_rl() -> TrainConfig:
     # (held-out balanced accuracy ~0.5-0.7). Longer (45 epochs) starts the Solver so high that
     # RL has little left to add on held-out problems.
     config.warm_start = WarmStartConfig(epochs=30, lr=3e-3)
-    # all 18 held-out expressions of this difficulty; the V-C loop runs on them at each evaluation
+    # all 18 held-out expressions of this difficulty (each role on its fixed cases of them,
+    # agents/heldout.py); the V-C loop runs on them at each evaluation
     config.task = TaskConfig(name="arithmetic", train=f"arithmetic:train?n=128&seed=0&{_ARITHMETIC}",
                              eval=f"arithmetic:eval?n=18&seed=0&{_ARITHMETIC}", eval_size=18,
                              system=SystemConfig(accept_after=2, max_failures=4, max_rounds=8))

@@ -11,13 +11,15 @@ import logging
 
 import torch
 
+from megatron_marsrl.agents.heldout import check_roles, held_out_cases, sample_held_out
 from megatron_marsrl.agents.parsing import ParseCounter
 from megatron_marsrl.agents.rollout import GroupedRollout
 from megatron_marsrl.data_types import Sample
 from megatron_marsrl.rl.config import ROLES, TrainConfig
 from megatron_marsrl.rl.data import ProblemStream, dataset_from_spec
 from megatron_marsrl.rl.rollout_driver import RolloutDriver, StepGate
-from megatron_marsrl.rl.rollout_metrics import role_metrics
+from megatron_marsrl.rl.rollout_metrics import held_out_figures, role_metrics
+from megatron_marsrl.stats import Estimate, bootstrap_figures, logged, wilson_interval
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,12 @@ class RolloutSide:
         self.stream = ProblemStream(train, problems_per_step=min(config.pipeline.problems_per_step, len(train)),
                                     seed=config.run.seed)
         self.eval_problems = dataset_from_spec(config.task.eval)[: config.task.eval_size] if config.task.eval else []
+        self.eval_cases = held_out_cases(self.eval_problems)
+        check_roles(self.roles, self.eval_cases)
+        solver_only = sum(c.wrong_answer is None for c in self.eval_cases)
+        if solver_only:
+            log.warning("held-out set: %d of %d problems have no integer answer to build a wrong solution from; "
+                        "they measure the Solver only", solver_only, len(self.eval_cases))
         self._snapshot = self.state_dict()
         self._served: list[int] = []
 
@@ -98,27 +106,25 @@ class RolloutSide:
         self.driver.start_step(step, self.stream.next_step())
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Per-role figures on the held-out problems (whole trajectories, inputs of later stages
-        chosen by balanced selection, nothing trained) and,
-        with `task.system`, the V-C inference loop's accuracy next to its runs' first answers."""
+        """Per-role figures on the fixed held-out set (agents/heldout.py: the Solver on each
+        problem, the Verifier on a right and a wrong solution, the Corrector on a rejected wrong
+        one; k samples each, nothing trained) and, with `task.system`, the V-C inference loop's
+        accuracy next to its runs' first answers; every figure with its 95% interval."""
         if not self.eval_problems:
             return {}
-        # Balanced selection: the Verifier judges right and wrong solutions alike wherever the Solver
-        # produced both, so that its recall on each (and their mean) is measured.
-        config = dataclasses.replace(self.config.rollout, selection="balanced")
+        config = dataclasses.replace(self.config.rollout, group_size=self.config.task.eval_samples)
         grouped = GroupedRollout(roles=self.roles, generators=self.eval_generators, config=config)
         grouped.salt = f"eval{step}."
-        groups = self.driver.run_eval(grouped.rollout(self.eval_problems))
-        samples: list[Sample] = [s for g in groups for s in g.samples]
-        out = {f"eval/{k}": v for k, v in role_metrics(samples).items() if not k.endswith("/samples")}
+        samples = self.driver.run_eval(sample_held_out(grouped, self.eval_cases))
+        out = logged(held_out_figures(samples, seed=f"eval{step}"), "eval/")
         if self.config.task.system is not None:
-            out.update({f"eval/system/{k}": v for k, v in self._evaluate_system().items()})
+            out.update(logged(self._evaluate_system(step), "eval/system/"))
         return out
 
-    def _evaluate_system(self) -> dict[str, float]:
+    def _evaluate_system(self, step: int) -> dict[str, Estimate]:
         import asyncio
 
-        from megatron_marsrl.agents.system import SLOTS, ReasoningSystem, run_accuracy
+        from megatron_marsrl.agents.system import SLOTS, ReasoningSystem, system_figures, system_tally
 
         system = ReasoningSystem(roles=self.roles, generators=self.eval_generators,
                                  sampling={slot: self.config.rollout.sampling for slot in SLOTS},
@@ -128,7 +134,12 @@ class RolloutSide:
             return await asyncio.gather(*(system.solve(p.id, p.problem) for p in self.eval_problems))
 
         results = self.driver.run_eval(solve_all())
-        return run_accuracy(results, [p.answer for p in self.eval_problems])
+        units = [system_tally(r, p.answer) for r, p in zip(results, self.eval_problems, strict=True)]
+        estimates = bootstrap_figures(units, system_figures, seed=f"system{step}")
+        if all(u["system", "runs"] == 1 for u in units):  # one run per problem: plain proportions
+            for name, count in (("accuracy", "right"), ("solver_accuracy", "solver_right")):
+                estimates[name] = wilson_interval(sum(u["system", count] for u in units), len(units))
+        return estimates
 
     def probe_sequences(self, samples: list[Sample], per_policy: int = 2,
                         max_tokens: int = 128) -> dict[str, list[list[int]]]:

@@ -56,8 +56,33 @@ def test_metrics_on_hand_made_trajectories():
     assert m["parse"]["verifier"] == {"no_verdict": 1, "ok": 6}
     assert rec1["runs"][0]["steps"][1]["verdict_right"] is True
     assert rec1["runs"][1]["steps"][1]["verdict_right"] is False
+    iv = m["intervals"]  # each interval's value is the figure above
+    assert iv["solver_avg"]["value"] == pytest.approx(0.25) and iv["system_avg"]["value"] == pytest.approx(0.25)
+    assert iv["system_minus_solver"]["value"] == 0.0
+    assert iv["verifier_precision_wrong"]["value"] == pytest.approx(2 / 3)
+    assert iv["verifier_recall_wrong"]["value"] == pytest.approx(2 / 5) and iv["corrector_fix_rate"]["value"] == 1.0
+    # one vote per problem: Wilson's interval of 1 in 2
+    assert iv["vote_accuracy"] == {"value": 0.5, "low": pytest.approx(0.0945, abs=1e-4),
+                                   "high": pytest.approx(0.9055, abs=1e-4)}
     text = format_metrics(m)
     assert "solver   avg@2 25.0" in text and "recall(wrong) 40.0" in text
+    assert "system_minus_solver        0.0 [" in text
+
+
+def test_the_loops_gain_over_the_solver_is_measured_on_the_same_runs():
+    """60 problems, the Solver right on half; the loop fixes 6 of the wrong ones and keeps the
+    rest: the paired difference's interval is far narrower than two separate intervals allow."""
+    def record(i: int) -> dict:
+        first = "5" if i % 2 else "4"
+        final = "5" if i % 2 or i % 10 == 0 else "4"
+        r = run([(first, 0), (final, 1)], [step("solver", 0, first)], "accepted", final)
+        return annotate({"id": str(i), "final_answer": final, "runs": [r]}, "5")
+
+    iv = compute_metrics([record(i) for i in range(60)])["intervals"]
+    gain = iv["system_minus_solver"]
+    assert gain["value"] == pytest.approx(0.1) and 0 < gain["low"] < 0.1 < gain["high"]
+    separate = (iv["solver_avg"]["high"] - iv["solver_avg"]["low"] + iv["system_avg"]["high"] - iv["system_avg"]["low"])
+    assert gain["high"] - gain["low"] < separate / 3
 
 
 def test_unscored_records_are_an_error():

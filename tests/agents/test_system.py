@@ -183,14 +183,15 @@ def test_loop_over_http_with_truncation_and_a_flaky_endpoint():
     assert len(server.requests) == 5  # one retried solver request + corrector + two verifications
 
 
-def test_run_accuracy_pairs_each_run_with_its_first_solution():
-    from megatron_marsrl.agents.system import Candidate, ProblemResult, RunResult, run_accuracy
+def test_system_tally_pairs_each_run_with_its_first_solution():
+    from megatron_marsrl.agents.system import Candidate, ProblemResult, RunResult, system_figures, system_tally
 
     def run(first: str, final: str | None) -> RunResult:
         return RunResult(run=0, outcome="accepted", answer=final, candidates=[Candidate(answer=first)])
 
     results = [ProblemResult(problem_id="a", problem="", final_answer=None, runs=[run("3", "4"), run("4", "4")]),
                ProblemResult(problem_id="b", problem="", final_answer=None, runs=[run("7", None), run("1", "7")])]
-    got = run_accuracy(results, ["4", "7"])
-    assert got == {"accuracy": 0.75, "solver_accuracy": 0.5}  # two misses fixed, one right answer lost
-    assert run_accuracy([], []) == {}
+    total = sum((system_tally(r, ref) for r, ref in zip(results, ["4", "7"])), start=type(system_tally(results[0], "4"))())
+    # two misses fixed, one right answer lost
+    assert system_figures(total) == {"accuracy": 0.75, "solver_accuracy": 0.5, "gain": 0.25}
+    assert system_figures({}) == {}
