@@ -2,8 +2,9 @@
 
 Runs `marsrl train` once per (variant, seed) on a recipe (the CPU main job by default), each
 variant a set of config overrides (`VARIANTS`), and reports the final held-out figures as
-mean +- std over seeds: a markdown table (learning.md), a bar chart (learning.png) and one
-JSON record per run (runs.jsonl), all in the output directory next to the runs themselves.
+mean +- std over seeds, then each run's first and final figures with their 95% intervals: a
+markdown file (learning.md), a bar chart (learning.png) and one JSON record per run
+(runs.jsonl), all in the output directory next to the runs themselves.
 
 The variants of a seed start from the same warm start (the recipe's supervised fine-tuning, if
 it has one): the first run of a seed trains it and the later ones get a copy, which `marsrl
@@ -63,9 +64,10 @@ class RunResult:
     variant: str
     seed: int
     final: dict[str, float]
-    """The last evaluation's `METRICS` (those logged)."""
+    """The last evaluation's `METRICS` (those logged), with their interval ends (``/ci_low``,
+    ``/ci_high``) where the run logged them."""
     first: dict[str, float]
-    """The first evaluation's (before any RL step)."""
+    """The first evaluation's (before any RL step), the same way."""
     seconds: float
     """The whole run's wall time."""
     warm_start_seconds: float
@@ -124,7 +126,7 @@ def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list
     if not evals:
         raise RuntimeError(f"variant {variant} seed {seed} logged no held-out evaluation: the recipe needs "
                            "task.eval and run.eval_every > 0")
-    pick = lambda r: {k: r[k] for k in METRICS if k in r}  # noqa: E731
+    pick = lambda r: {k: r[k] for m in METRICS for k in (m, m + "/ci_low", m + "/ci_high") if k in r}  # noqa: E731
     summary = run_dir / "warm_start" / "summary.json"
     trained = summary.is_file() and summary.stat().st_mtime >= started_at
     return RunResult(variant=variant, seed=seed, final=pick(evals[-1]), first=pick(evals[0]),
@@ -170,6 +172,25 @@ def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[
     return "\n".join(lines) + "\n"
 
 
+def per_run_markdown(results: Sequence[RunResult]) -> str:
+    """Each run's first -> final held-out figures, each with its 95% interval where logged."""
+    metrics = [m for m in METRICS if any(m in r.final for r in results)]
+
+    def cell(figures: dict[str, float], m: str) -> str:
+        if m not in figures:
+            return "-"
+        low, high = figures.get(m + "/ci_low"), figures.get(m + "/ci_high")
+        return f"{figures[m]:.2f}" + (f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else "")
+
+    head = ["variant", "seed", *(m[len("eval/"):] for m in metrics)]
+    lines = ["Each run, first -> final evaluation (95% intervals):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        lines.append(f"| {r.variant} | {r.seed} | "
+                     + " | ".join(f"{cell(r.first, m)} -> {cell(r.final, m)}" for m in metrics) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(results: list[RunResult], out_dir: Path, *, seeds: list[int], command: str) -> str:
     """learning.md, learning.png and runs.jsonl in `out_dir`; returns the markdown."""
     from dataclasses import asdict
@@ -179,6 +200,7 @@ def write_report(results: list[RunResult], out_dir: Path, *, seeds: list[int], c
     summary = summarize(results)
     text = markdown(summary, seeds=seeds, command=command,
                     warm_starts=[r.warm_start_seconds for r in results if r.warm_start_seconds > 0])
+    text += "\n" + per_run_markdown(results)
     (out_dir / "learning.md").write_text(text)
     (out_dir / "runs.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
     groups = {m[len("eval/"):]: {v: row[m] for v, row in summary.items() if m in row} for m in METRICS}

@@ -34,9 +34,11 @@ def test_existing_run_directories_are_refused_before_anything_runs(tmp_path):
 
 def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
     def result(variant, seed, solver, system=None, warm=0.0):
-        final = {"eval/solver/accuracy": solver, **({"eval/system/accuracy": system} if system is not None else {})}
-        return bl.RunResult(variant=variant, seed=seed, final=final, first={}, seconds=60.0 * seed + warm,
-                            warm_start_seconds=warm, run_dir="")
+        final = {"eval/solver/accuracy": solver, "eval/solver/accuracy/ci_low": solver - 0.1,
+                 "eval/solver/accuracy/ci_high": solver + 0.1,
+                 **({"eval/system/accuracy": system} if system is not None else {})}
+        return bl.RunResult(variant=variant, seed=seed, final=final, first={"eval/solver/accuracy": 0.25},
+                            seconds=60.0 * seed + warm, warm_start_seconds=warm, run_dir="")
 
     results = [result("drmas", 1, 0.5, 0.6, warm=90.0), result("drmas", 2, 0.7, 0.8, warm=150.0),
                result("at_grpo", 1, 0.4)]
@@ -48,6 +50,9 @@ def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
     assert "| drmas | 0.600 +- 0.141 | 0.700 +- 0.141 | 1.5 |" in text
     assert "| at_grpo | 0.400 +- 0.000 | - | 1.0 |" in text
     assert "Minutes without the warm start: 2 trained, 2.0 min each" in text
+    # each run's first and final figures, with the intervals it logged
+    assert "| drmas | 2 | 0.25 -> 0.70 [0.60, 0.80] | - -> 0.80 |" in text
+    assert "| at_grpo | 1 | 0.25 -> 0.40 [0.30, 0.50] | - -> - |" in text
     assert (tmp_path / "learning.png").stat().st_size > 1000
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3
 
@@ -83,3 +88,5 @@ def test_bench_learning_runs_each_variant_from_its_seeds_warm_start_and_reports(
     assert weights[1] == weights[0] and weights[2] != weights[0]
     report = (out / "learning.md").read_text()
     assert "| drmas |" in report and "2 trained" in report and (out / "learning.png").is_file()
+    drmas_row = next(line for line in report.splitlines() if line.startswith("| drmas | 7 | "))
+    assert drmas_row.count(" -> ") == 4 and drmas_row.count(" [") >= 6  # first and final, with intervals
