@@ -22,7 +22,7 @@ test:
 test-fast:
 	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
-# The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (~8 minutes).
+# The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (8-12 minutes).
 run:
 	@env=$$(scripts/env.sh) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 "$$env/bin/marsrl" train --recipe tiny_arithmetic_sft_rl run.output_dir=outputs/tiny_arithmetic_sft_rl-$$(date +%Y%m%d-%H%M%S)
 
