@@ -152,7 +152,8 @@ def demonstrations(problems, *, seed: int, roles: RoleSet = ROLES, judged: int =
             for solution, verdict in ((p.answer, "yes"), (wrong, "no")):
                 out.append(roles.verifier.build_prompt({"problem": p.problem, "solution": solution})
                            + [{"role": "assistant", "content": verdict}])
-        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrongs[0], "report": roles.rejection_report})
+        out.append(roles.corrector.build_prompt({"problem": p.problem, "solution": wrongs[0],
+                                                 "report": roles.rejection_report})
                    + [{"role": "assistant", "content": p.answer}])
     return out
 

@@ -51,7 +51,8 @@ def test_each_role_is_measured_on_its_fixed_cases_with_intervals():
     # the Corrector on the wrong one, for the 40 problems with an integer answer
     assert [len(v) for v in by_role.values()] == [41 * 3, 40 * 2 * 3, 40 * 3]
     judged = sorted({s.inputs["solution"] for s in by_role["verifier"] if s.problem_id == "p4"})
-    assert judged == sorted(["The final answer is \\boxed{5}.", f"The final answer is \\boxed{{{near_miss(problems[4])}}}."])
+    wrong = near_miss(problems[4])
+    assert judged == sorted(["The final answer is \\boxed{5}.", f"The final answer is \\boxed{{{wrong}}}."])
     got = held_out_figures(samples, seed="t")
     assert got["verifier/balanced_accuracy"].value == 0.5  # accepting everything is chance, by design
     assert got["verifier/recall_correct"].value == 1.0 and got["verifier/recall"].value == 0.0
