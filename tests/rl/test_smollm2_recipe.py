@@ -11,13 +11,13 @@ import pytest
 
 from megatron_marsrl.precision import choose_dtype
 
-from .test_train import _env, step_metrics
+from tests.rl.runs import run_env, step_metrics
 
 
 def _train(run_dir, *args, timeout=900) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", "smollm2_arithmetic",
            f"run.output_dir={run_dir}", "run.progress=false", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env())
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ between engine and trainer do in production.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -16,23 +17,7 @@ import torch.distributed as dist
 from megatron_marsrl.megatron.forward import token_logprobs
 from megatron_marsrl.megatron.verify import build_from_hf
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
-
-TEMPERATURE = 0.8
-
-
-def _engine(kind: str, hf_dir: str):
-    if kind == "sglang":
-        from megatron_marsrl.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(hf_dir, max_total_tokens=2048, seed=1, enable_return_routed_experts=True)
-    if kind == "sglang_server":
-        from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
-
-        return SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048, seed=1,
-                                               enable_return_routed_experts=True)).start()
-    from megatron_marsrl.rollout.hf_engine import TransformersEngine
-
-    return TransformersEngine(hf_dir, seed=1)
+from tests.rollout.workers import TEMPERATURE, _engine, _train_then_sync
 
 
 def _rollouts(engine, vocab: int, count: int, new_tokens: int) -> list[dict]:
@@ -56,12 +41,22 @@ def _noise(layer: int, shape, scale: float) -> torch.Tensor:
     return scale * torch.randn(shape, generator=torch.Generator().manual_seed(100 + layer))
 
 
-def _perturb_megatron_routers(model, scale: float) -> None:
+@contextlib.contextmanager
+def _perturbed_routers(model, scale: float):
+    """Megatron's router weights perturbed by `_noise` inside the block, restored exactly after."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    saved = [router.weight.detach().clone() for router in routers]
     with torch.no_grad():
-        for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+        for router in routers:
             router.weight.add_(_noise(router.layer_number - 1, router.weight.shape, scale).to(router.weight.device))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for router, weight in zip(routers, saved):
+                router.weight.copy_(weight)
 
 
 def _mismatch(model, rollouts: list[dict], *, replay: bool) -> dict:
@@ -98,18 +93,39 @@ def _agreement(records: list[torch.Tensor], others: list[torch.Tensor]) -> float
     return float(torch.cat([s.flatten() for s in same]).float().mean())
 
 
-def replay_vs_engine(hf_dir: str, layout: dict, engine: str = "hf", noise: float = 5e-4, count: int = 8,
-                     new_tokens: int = 24) -> dict:
-    """Engine vs Megatron log-prob mismatch without/with routing replay, identical and
-    perturbed router weights; plus how many routing decisions the perturbation flipped."""
-    held = _engine(engine, hf_dir) if int(os.environ["RANK"]) == 0 else None  # before Megatron, as in production
+def replay_vs_engine(hf_dir: str, layout: dict, engine: str = "hf") -> dict:
+    """`replay_report` with an engine of kind ``engine`` and Megatron under ``layout``."""
+    held = _engine(engine, hf_dir, routed_experts=True) if int(os.environ["RANK"]) == 0 else None  # before Megatron
     arch, _, model = build_from_hf(hf_dir, layout)
+    try:
+        return replay_report(model, arch, held, hf_dir)
+    finally:
+        if held is not None:
+            held.shutdown()
+
+
+def replay_then_train_sync(hf_dir: str, layout: dict, engine: str) -> dict:
+    """One engine and one Megatron model for two proofs (one SGLang start, one launch): the
+    routing replay's (`replay_report`, under key "replay"), then train-then-sync's
+    (tests.rollout.workers), which finds the model as it was built."""
+    held = _engine(engine, hf_dir, routed_experts=True) if int(os.environ["RANK"]) == 0 else None
+    arch, _, model = build_from_hf(hf_dir, layout)
+    try:
+        report = {"replay": replay_report(model, arch, held, hf_dir)}
+        return {**report, **_train_then_sync(model, arch, held, steps=2, bucket_bytes=32 << 10)}
+    finally:
+        if held is not None:
+            held.shutdown()
+
+
+def replay_report(model, arch, held, hf_dir: str, noise: float = 5e-4, count: int = 8, new_tokens: int = 24) -> dict:
+    """Engine vs Megatron log-prob mismatch without/with routing replay, identical and
+    perturbed router weights; plus how many routing decisions the perturbation flipped.
+    ``held``: the engine on rank 0 (None elsewhere), holding the weights of ``hf_dir`` as
+    ``model`` does; the model's routers are restored at the end."""
     rollouts = report = None
     if held is not None:
-        try:
-            rollouts = _rollouts(held, arch.vocab_size, count, new_tokens)
-        finally:
-            held.shutdown()
+        rollouts = _rollouts(held, arch.vocab_size, count, new_tokens)
         records = [r["routed"] for r in rollouts]
         report = {"rows_ok": all(r["routed"].shape[0] == len(r["tokens"]) - 1 for r in rollouts),
                   "engine_vs_hf_routing": _agreement(records, _hf_routing(hf_dir, rollouts, 0.0)),
@@ -117,7 +133,7 @@ def replay_vs_engine(hf_dir: str, layout: dict, engine: str = "hf", noise: float
     rollouts, report = _share((rollouts, report))
     report["identical"] = {"no_replay": _mismatch(model, rollouts, replay=False),
                            "replay": _mismatch(model, rollouts, replay=True)}
-    _perturb_megatron_routers(model, noise)
-    report["perturbed"] = {"no_replay": _mismatch(model, rollouts, replay=False),
-                           "replay": _mismatch(model, rollouts, replay=True)}
+    with _perturbed_routers(model, noise):
+        report["perturbed"] = {"no_replay": _mismatch(model, rollouts, replay=False),
+                               "replay": _mismatch(model, rollouts, replay=True)}
     return report

@@ -1,21 +1,26 @@
 """The real SGLang engine on CPU (torch-native path, import-only kernel stand-in): generation
 log-probs equal Megatron's, a Megatron TP2 training step makes it stale, the bucketed weight
-sync makes it agree again, and no stand-in kernel was ever called."""
+sync makes it agree again, and no stand-in kernel was ever called; the engine's routed experts,
+replayed in Megatron, remove the mismatch that flipped routing causes."""
 import pytest
 
 from megatron_marsrl.megatron.launch import launch
+from tests.rollout.test_routing_replay_engines import assert_replay_helps
 
 pytestmark = pytest.mark.slow  # SGLang start-up (~20 s) plus 2 Megatron ranks
 
 
 @pytest.mark.parametrize("engine,layout", [("sglang", {"tp": 2}), ("sglang_server", {"ep": 2})])
-def test_sglang_sync_from_megatron(tiny_hf, tmp_path, engine, layout):
-    """In-process sglang.Engine under TP2, and the HTTP server process under EP2."""
+def test_sglang_routing_replay_then_sync_from_megatron(tiny_hf, tmp_path, engine, layout):
+    """In-process sglang.Engine under TP2 (with sequence parallel), and the HTTP server process
+    under EP2: one engine start and one launch for both proofs (routing replay, then
+    train-then-sync; tests/rollout/routing_workers.py)."""
     calls = tmp_path / "sgl_kernel_calls.log"
-    reports = launch("tests.rollout.workers:train_then_sync", 2,
+    reports = launch("tests.rollout.routing_workers:replay_then_train_sync", 2,
                      {"hf_dir": tiny_hf("qwen3_moe"), "layout": layout, "engine": engine},
                      env={"OMP_NUM_THREADS": "1", "MARSRL_SGL_KERNEL_CALL_LOG": str(calls)})
     r = reports[0]
+    assert_replay_helps(r["replay"])
     assert r["rollout_vs_megatron"]["max"] < 1e-3 and r["rollout_vs_megatron"]["tokens"] == 18
     assert r["stale_vs_megatron"]["max"] > 1e-2
     assert r["synced_vs_megatron"]["max"] < 1e-3

@@ -15,15 +15,18 @@ from tests.megatron.reference_step import train_step
 TEMPERATURE = 0.8
 
 
-def _engine(kind: str, hf_dir: str):
+def _engine(kind: str, hf_dir: str, routed_experts: bool = False):
+    """A rollout engine of ``kind`` on ``hf_dir``; ``routed_experts``: SGLang started so that it
+    can return each token's experts (the embedded engine always can)."""
     if kind == "sglang":
         from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(hf_dir, max_total_tokens=2048, seed=1)
+        return SGLangEngine(hf_dir, max_total_tokens=2048, seed=1, enable_return_routed_experts=routed_experts)
     if kind == "sglang_server":
         from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
-        return SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048, seed=1)).start()
+        return SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048, seed=1,
+                                               enable_return_routed_experts=routed_experts)).start()
     return TransformersEngine(hf_dir, seed=1)
 
 
