@@ -374,14 +374,16 @@ def pack(items: Sequence[SeqItem], *, token_budget: int, max_sequences: int | No
     while left:
         mb = [left.pop(0)]
         keys.pop(0)
+        cost = _cost(mb)
         while left and (max_sequences is None or len(mb) < max_sequences):
             # the cost is additive, so the longest item that fits is the first one no longer than
             # the room left (the earliest of equals): O(log n) instead of a scan of `left`
-            i = bisect.bisect_left(keys, -(token_budget - _cost(mb)))
-            if i == len(left) or not _fits(len(mb) + 1, _cost(mb) + left[i].num_tokens, token_budget, max_sequences):
+            i = bisect.bisect_left(keys, -(token_budget - cost))
+            if i == len(left) or not _fits(len(mb) + 1, cost + left[i].num_tokens, token_budget, max_sequences):
                 break
             mb.append(left.pop(i))
             keys.pop(i)
+            cost += _cost(mb[-1:])  # additive: the new item's cost on top
         bins.append(mb)
     return bins
 

@@ -1,5 +1,5 @@
-"""EnginePool over real embedded engines (fast) and real SGLang servers killed mid-generation
-(slow)."""
+"""EnginePool over real embedded engines (fast) and two real SGLang servers, one killed
+mid-generation (slow)."""
 import asyncio
 import subprocess
 import threading
@@ -195,23 +195,6 @@ def test_a_changed_server_set_frees_the_old_broadcast_group_on_the_servers_still
     assert senders[1].closed_on == []  # this rank only: the servers' side goes with them
 
 
-@pytest.mark.slow
-def test_sglang_server_rejects_bad_requests_without_retry_and_bad_model_path(tiny_hf, tmp_path):
-    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
-
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        SGLangServerConfig(model_path=str(tmp_path / "nope"))
-    server = SGLangServer(SGLangServerConfig(model_path=tiny_hf("qwen3"), max_total_tokens=1024, log_dir=str(tmp_path))).start()
-    try:
-        pool = EnginePool([server])
-        too_long = EngineRequest(prompt_ids=[1, 2, 3], sampling=EngineSampling(max_new_tokens=500))
-        with pytest.raises(ValueError, match="maximum context length"):
-            asyncio.run(pool.generate(too_long))
-        assert pool.failures == []
-    finally:
-        server.stop()
-
-
 def test_abort_cancels_in_flight_requests(hf_engines):
     pool = EnginePool([Counting(hf_engines[0])], max_concurrency=1)
 
@@ -226,45 +209,68 @@ def test_abort_cancels_in_flight_requests(hf_engines):
     assert asyncio.run(scenario()) >= 5
 
 
-@pytest.mark.slow
-def test_sglang_server_killed_mid_generation(tiny_hf, tmp_path):
+@pytest.fixture(scope="module")
+def sglang_servers(tiny_hf, tmp_path_factory):
+    """Two real SGLang servers (a 4096-token context), started side by side, shared by this
+    module's tests; afterwards no process of theirs is left."""
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     model = tiny_hf("qwen3", max_position_embeddings=4096)
-    servers = [SGLangServer(SGLangServerConfig(model_path=model, max_total_tokens=16384, seed=i,
-                                               log_dir=str(tmp_path))) for i in range(2)]
+    log_dir = str(tmp_path_factory.mktemp("sglang_logs"))
+    servers = [SGLangServer(SGLangServerConfig(model_path=model, max_total_tokens=16384, seed=i, log_dir=log_dir))
+               for i in range(2)]
     starters = [threading.Thread(target=s.start) for s in servers]
     for t in starters:
         t.start()
     for t in starters:
         t.join()
     try:
-        # start() returned, so both were ready; two servers on two cores answer slowly
-        assert all(s.alive() for s in servers), [s.log_tail() for s in servers]
-        assert all(s.url.startswith("http://127.0.0.1:") for s in servers)
-        pool = EnginePool(servers, max_concurrency=8)
-
-        async def scenario():
-            task = asyncio.create_task(pool.generate_many(_reqs(8, max_new=600)))
-            await asyncio.sleep(0.5)  # the requests are on both servers, each far from its 600th token
-            servers[0].kill()
-            return await task
-
-        outs = asyncio.run(scenario())
-        assert len(outs) == 8, outs
-        assert all(len(o.output_ids) == 600 for o in outs), [(len(o.output_ids), o.finish_reason) for o in outs]
-        assert any(f["engine"] == 0 for f in pool.failures), "the kill hit no request"
-        deadline = time.time() + 180
-        while not servers[0].healthy(timeout=60) and time.time() < deadline:
-            time.sleep(1)
-        assert servers[0].healthy(timeout=60), servers[0].log_tail()
+        yield servers
     finally:
         for s in servers:
             s.stop()
-    # this test's servers only (by their model directory): another pytest worker may be running its own
+    # these servers only (by their model directory): another pytest worker may be running its own
     leftover = subprocess.run(["pgrep", "-f", f"sglang.launch_server.*{model}"], capture_output=True,
                               text=True).stdout.split()
     assert not leftover, f"orphan SGLang processes: {leftover}"
+
+
+@pytest.mark.slow
+def test_sglang_server_killed_mid_generation_is_retried_elsewhere_and_restarted(sglang_servers):
+    servers = sglang_servers
+    # start() returned, so both were ready; two servers on two cores answer slowly
+    assert all(s.alive() for s in servers), [s.log_tail() for s in servers]
+    assert all(s.url.startswith("http://127.0.0.1:") for s in servers)
+    pool = EnginePool(servers, max_concurrency=8)
+
+    async def scenario():
+        task = asyncio.create_task(pool.generate_many(_reqs(8, max_new=600)))
+        await asyncio.sleep(0.5)  # the requests are on both servers, each far from its 600th token
+        servers[0].kill()
+        return await task
+
+    outs = asyncio.run(scenario())
+    assert len(outs) == 8, outs
+    assert all(len(o.output_ids) == 600 for o in outs), [(len(o.output_ids), o.finish_reason) for o in outs]
+    assert any(f["engine"] == 0 for f in pool.failures), "the kill hit no request"
+    deadline = time.time() + 180
+    while not servers[0].healthy(timeout=60) and time.time() < deadline:
+        time.sleep(1)
+    assert servers[0].healthy(timeout=60), servers[0].log_tail()
+
+
+@pytest.mark.slow
+def test_sglang_server_rejects_bad_requests_without_retry_and_bad_model_path(sglang_servers, tmp_path):
+    from megatron_marsrl.rollout.sglang_server import SGLangServerConfig
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        SGLangServerConfig(model_path=str(tmp_path / "nope"))
+    pool = EnginePool(sglang_servers)
+    too_long = EngineRequest(prompt_ids=[1, 2, 3], sampling=EngineSampling(max_new_tokens=5000))  # > 4096
+    for _ in sglang_servers:  # whichever server it reaches, the answer is the same, with no retry
+        with pytest.raises(ValueError, match="maximum context length"):
+            asyncio.run(pool.generate(too_long))
+    assert pool.failures == []
 
 
 @pytest.mark.slow
