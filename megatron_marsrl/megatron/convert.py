@@ -87,10 +87,10 @@ def _layout_dict(parallel: ParallelConfig) -> dict:
 
 
 def _launch(output_dir: Path, target: str, world: int, kwargs: dict) -> None:
-    from megatron_marsrl.megatron.launch import LaunchError, launch
+    from megatron_marsrl.megatron.launch import ONE_THREAD, LaunchError, launch
 
     try:
-        launch(target, world, kwargs, env={"OMP_NUM_THREADS": "1"})
+        launch(target, world, kwargs, env=ONE_THREAD)
     except LaunchError as exc:
         remove_partial_outputs(output_dir)
         raise ConversionError(f"conversion failed; no output was written.\n{exc}") from exc

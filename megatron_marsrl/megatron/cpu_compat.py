@@ -76,12 +76,13 @@ def _patch_torch_cuda_streams() -> None:
 
 # CUDA-only extension packages that the SGLang install brings along. Megatron guards their
 # imports with `except ImportError`, but without libcuda.so flash_mla raises OSError while
-# loading its .so, which escapes the guard; flashinfer loads, but takes 1.7 s of every rank's
-# start (megatron.core imports it in five modules, for MXFP8 inference and fused MoE kernels
-# that need CUDA). A None entry in sys.modules makes `import x` raise ImportError, so Megatron
-# takes its documented "not installed" path. SGLang on CPU runs its torch-native backends
-# without either.
-_CUDA_ONLY_MODULES = ("flash_mla", "flashinfer")
+# loading its .so, which escapes the guard; flashinfer and flash_attn load, but cost every
+# rank's start 1.7 s (flashinfer: megatron.core imports it in five modules, for MXFP8
+# inference and fused MoE kernels that need CUDA) and 2.5-4.5 s (flash_attn: attention.py
+# imports its FA4 `cute` interface, which pulls in quack, CUTLASS's DSL and tvm_ffi). A None
+# entry in sys.modules makes `import x` raise ImportError, so Megatron takes its documented
+# "not installed" path. SGLang on CPU runs its torch-native backends without any of them.
+_CUDA_ONLY_MODULES = ("flash_mla", "flashinfer", "flash_attn")
 
 
 def _hide_cuda_only_modules() -> None:

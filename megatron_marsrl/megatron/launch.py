@@ -11,9 +11,9 @@ output tail. When already inside a torchrun job, call the function directly inst
 
 Each rank is a new interpreter, which spends most of a small job importing torch and
 megatron.core (~7 s per rank on 2 CPU cores). Inside :func:`fork_server`, ranks are forked
-instead from a process that imported them once (what the test suite does; the job itself runs
-the same code): only for calls whose environment is the one the server started with, and
-without `stream_rank0`; any other call starts interpreters as above.
+instead from a process that imported them once (what the test suite and `marsrl selfcheck` do;
+the job itself runs the same code): only for calls whose environment is the one the server
+started with, and without `stream_rank0`; any other call starts interpreters as above.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 
 from megatron_marsrl.net import free_port
+
+
+# The environment the tools give their ranks on CPU: one OpenMP thread each, a rank per core.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 class LaunchError(RuntimeError):
@@ -129,8 +133,8 @@ class _ForkServer:
     """A process that imported `preload` once and forks one rank per request (stdin/stdout JSON
     lines). Single-threaded: it reaps its children between requests."""
 
-    def __init__(self, preload: tuple[str, ...]):
-        self.env = dict(os.environ)
+    def __init__(self, preload: tuple[str, ...], env: dict | None = None):
+        self.env = {**os.environ, **(env or {})}
         self._log = tempfile.TemporaryFile("w+")  # the imports' warnings, shown if it fails to start
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, "--fork-server", *preload],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
@@ -177,12 +181,13 @@ _server: _ForkServer | None = None
 
 
 @contextlib.contextmanager
-def fork_server(preload: tuple[str, ...] = ("torch", "megatron.core", "transformers")):
-    """Within the block, `launch` forks its ranks from one process that imported `preload`."""
+def fork_server(preload: tuple[str, ...] = ("torch", "megatron.core", "transformers"), *, env: dict | None = None):
+    """Within the block, `launch` forks its ranks from one process that imported `preload`
+    under this environment plus ``env``: the calls that pass the same ``env`` to `launch`."""
     global _server
     if _server is not None:
         raise RuntimeError("a launch fork server is already running")
-    _server = _ForkServer(preload)
+    _server = _ForkServer(preload, env)
     try:
         yield _server
     finally:

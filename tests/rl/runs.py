@@ -62,7 +62,7 @@ def tensorboard_tags(run_dir: Path) -> set[str]:
     return set(acc.Tags()["scalars"])
 
 
-def check_steps(run_dir: Path, steps: int) -> dict[int, dict]:
+def check_steps(run_dir: Path, steps: int, *, filled: bool = True) -> dict[int, dict]:
     metrics = step_metrics(run_dir)
     assert sorted(metrics) == list(range(1, steps + 1))
     for step, m in metrics.items():
@@ -71,7 +71,10 @@ def check_steps(run_dir: Path, steps: int) -> dict[int, dict]:
         assert m["rollout/engine_version_min"] == m["rollout/engine_version_max"] == step - 1
         assert math.isfinite(m["train/loss"]) and math.isfinite(m["shared/grad_norm"])
         assert m["shared/update_skipped"] == 0.0
-        for role in ROLES[:step]:  # the pipeline fills: solver at step 1, verifier at 2, corrector at 3
+        # the pipeline fills: solver at step 1, verifier at 2, corrector at 3 (reproducibly so with
+        # the embedded engine; SGLang's sampling varies with how requests happen to be batched, and
+        # a step 3 may then find no rejected solution to correct: `filled=False` checks the roles that ran)
+        for role in ROLES[:step] if filled else [r for r in ROLES if f"rollout/{r}/samples" in m]:
             # tiny_arithmetic rewards: 1 right, 0 wrong, -0.5 (the format penalty) unparsable
             r = {k: m[f"rollout/{role}/{k}"] for k in ("reward_mean", "accuracy", "parse_fail")}
             assert r["reward_mean"] == pytest.approx(r["accuracy"] - 0.5 * r["parse_fail"], abs=1e-9), (step, role, r)
