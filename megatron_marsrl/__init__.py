@@ -14,6 +14,7 @@ Where things live:
   plugins.py      user extensions (roles, rewards, estimators) by import path
   outputs.py      which output directories a run may replace
   net.py          a free local port (rendezvous, servers)
+  cuda_only.py    the CUDA-only packages hidden on CPU machines (faster process starts)
 """
 
 __version__ = "0.1.0"

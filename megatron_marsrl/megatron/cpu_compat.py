@@ -16,6 +16,8 @@ import types
 
 import torch
 
+from megatron_marsrl import cuda_only
+
 _applied = False
 
 
@@ -72,24 +74,6 @@ def _patch_torch_cuda_streams() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-
-
-# CUDA-only extension packages that the SGLang install brings along. Megatron guards their
-# imports with `except ImportError`, but without libcuda.so flash_mla raises OSError while
-# loading its .so, which escapes the guard; flashinfer and flash_attn load, but cost every
-# rank's start 1.7 s (flashinfer: megatron.core imports it in five modules, for MXFP8
-# inference and fused MoE kernels that need CUDA) and 2.5-4.5 s (flash_attn: attention.py
-# imports its FA4 `cute` interface, which pulls in quack, CUTLASS's DSL and tvm_ffi). A None
-# entry in sys.modules makes `import x` raise ImportError, so Megatron takes its documented
-# "not installed" path. SGLang on CPU runs its torch-native backends without any of them.
-_CUDA_ONLY_MODULES = ("flash_mla", "flashinfer", "flash_attn")
-
-
-def _hide_cuda_only_modules() -> None:
-    import sys
-
-    for name in _CUDA_ONLY_MODULES:
-        sys.modules.setdefault(name, None)
 
 
 def _is_cuda_device(device) -> bool:
@@ -244,7 +228,7 @@ def apply() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
         return
-    _hide_cuda_only_modules()
+    cuda_only.hide()  # before anything below imports megatron.core
     _patch_torch_cuda_rng()
     _patch_torch_cuda_streams()
     _patch_hardcoded_cuda_devices()

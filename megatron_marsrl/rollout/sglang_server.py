@@ -31,7 +31,7 @@ import torch
 from megatron_marsrl.net import free_port, is_loopback
 from megatron_marsrl.procs import set_parent_death_signal
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
-from megatron_marsrl.rollout.sglang_engine import SHIM_DIR, EngineError, sglang_dtype
+from megatron_marsrl.rollout.sglang_engine import CPU_ARGS, SHIM_DIR, EngineError, sglang_dtype
 
 _RUNNING: set["SGLangServer"] = set()
 
@@ -103,6 +103,14 @@ class SGLangServerConfig:
 
 
 API_KEY_ENV = "MARSRL_SGLANG_API_KEY"
+
+
+def _flags(args: dict) -> list[str]:
+    """SGLang Engine keyword arguments as `sglang.launch_server` flags (True: the bare flag)."""
+    out = []
+    for key, value in args.items():
+        out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return out
 
 
 def _die_with_parent() -> None:
@@ -188,7 +196,7 @@ class SGLangServer:
                "--dtype", sglang_dtype(cfg.dtype)]
         env = dict(os.environ)
         if on_cpu:
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+            cmd += _flags(CPU_ARGS)
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         else:
@@ -205,8 +213,7 @@ class SGLangServer:
             cmd += ["--enable-memory-saver"]
         if cfg.api_key:  # visible in this machine's process list; keeps other machines out
             cmd += ["--api-key", cfg.api_key]
-        for key, value in sglang_args(cfg.quantization).items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd += _flags(sglang_args(cfg.quantization))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = _SPAWNER.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)

@@ -67,19 +67,21 @@ def test_rng_tracker_forks_cpu_generator():
 
 
 def test_cuda_only_extensions_import_as_missing():
-    """flash_mla (its .so needs libcuda) and flashinfer (1.7 s of each rank's start) are missing
-    for Megatron on CPU, which then takes its "not installed" branches."""
+    """flash_mla (its .so needs libcuda), flashinfer and flash_attn (1.7 and 2.5-4.5 s of each
+    rank's start) are missing for Megatron on CPU, which then takes its "not installed" branches
+    (attention.py's FA4 check among them)."""
     out = _run("""
         from megatron_marsrl.megatron import cpu_compat
         cpu_compat.apply()
         import sys
+        from megatron.core.transformer import attention
         from megatron.core.transformer.moe import experts, moe_layer
-        for name in ("flash_mla", "flashinfer"):
+        for name in ("flash_mla", "flashinfer", "flash_attn"):
             try:
                 __import__(name)
                 print("imported", end=" ")
             except ImportError:
                 print("ImportError", end=" ")
-        print("flashinfer" in sys.modules and sys.modules["flashinfer"] is None)
+        print(attention.HAVE_FA4, [m for m in ("quack", "cutlass", "tvm_ffi") if m in sys.modules])
     """)
-    assert out == "ImportError ImportError True"
+    assert out == "ImportError ImportError ImportError False []"
