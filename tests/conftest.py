@@ -21,6 +21,31 @@ def launch_fork_server():
         yield server
 
 
+def _restore_environ(before: dict) -> None:
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environ_per_module():
+    """What a test file's fixtures or tests left in os.environ is undone when the file ends: a
+    later file on the same worker would otherwise find an environment the fork server was not
+    started under, and every Megatron job of it would start interpreters (~12 s per 2-rank job
+    instead of ~2). prepare_cpu_environment (an in-process SGLang engine) is one such writer."""
+    before = dict(os.environ)
+    yield
+    _restore_environ(before)
+
+
+@pytest.fixture(autouse=True)
+def _environ_per_test():
+    """The same for what one test leaves (its file's module fixtures stay as they set it)."""
+    before = dict(os.environ)
+    yield
+    _restore_environ(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """(family, **config overrides) -> directory of a tiny random HF checkpoint (made once)."""
