@@ -77,6 +77,37 @@ def test_a_request_failing_everywhere_is_reported_not_dropped(hf_engines):
         asyncio.run(pool.generate(_reqs(1)[0]))
 
 
+class SlowToDie(Counting):
+    """A killed server: its connections refused at once, its process seen to exit `after` s later."""
+
+    def __init__(self, engine, after):
+        super().__init__(engine, fail=True)
+        self.dies_at = time.monotonic() + after
+
+    def alive(self):
+        return self._alive and time.monotonic() < self.dies_at
+
+    def submit(self, requests, *, on_start=None):
+        self.calls += 1
+        raise ConnectionError("connection refused")
+
+
+def test_a_lone_engine_dying_after_an_update_aborts_the_step_once_seen_dead(hf_engines):
+    """The retries wait for a refusing engine's exit to show (RETRY_PAUSE) instead of spending
+    every attempt on it at once: the pool then restarts it, and the request fails because a
+    restart holds the initial weights, which a resume after the abort takes care of."""
+    dying = SlowToDie(hf_engines[0], after=0.3)
+    pool = EnginePool([dying])
+    pool.version = dying.engine.weight_version = 1  # after the first weight sync
+    try:
+        with pytest.raises(RequestFailedError, match="initial weights, not version 1"):
+            asyncio.run(pool.generate(_reqs(1)[0]))
+    finally:
+        dying.engine.weight_version = 0
+    time.sleep(0.2)  # the restart runs in the background
+    assert dying.calls == 1 and dying.restarts == 1
+
+
 def test_engines_with_stale_weights_get_no_requests(hf_engines, tiny_hf):
     stale = Counting(TransformersEngine(tiny_hf("qwen3")))
     fresh = Counting(hf_engines[1])
