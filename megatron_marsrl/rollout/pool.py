@@ -5,8 +5,8 @@
 - Load balancing: each request goes to the usable engine with the fewest requests in flight.
 - Failure: a request whose engine is gone (connection lost, process died) or that timed out
   is retried on another one, up to ``max_attempts`` (on the same one after a pause, where no
-  other is usable); it is never dropped silently: either it
-  returns or :class:`RequestFailedError` names it with every attempt's error. An error the
+  other is usable); it is never dropped silently: either it returns or
+  :class:`RequestFailedError` names it with every attempt's error. An error the
   engine raised while working on the request (a programming or model error) is not retried:
   it would fail the same way everywhere.
 - Timeouts (:class:`GenerationTimeout`) scale with ``max_new_tokens`` and count from the moment

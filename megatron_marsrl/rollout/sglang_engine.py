@@ -38,9 +38,9 @@ SHIM_DIR = Path(__file__).resolve().parent / "sglang_cpu_shim"
 
 # SGLang's arguments on a CPU machine (Engine keyword names; the server gets them as flags):
 # the torch-native path, and sleep_on_idle because an idle scheduler otherwise polls for
-# requests without pause and keeps a whole core busy (10.1 core-seconds in 10 idle seconds, 0.16
-# with it, measured here), the core the trainer's ranks need between rollouts; asleep it
-# wakes on the next request's message.
+# requests without pause and keeps a whole core busy (10.1 core-seconds in 10 idle seconds; with
+# it 0.15 for a server, 0.13 for an in-process engine, measured here), the core the trainer's
+# ranks need between rollouts; asleep it wakes on the next request's message.
 CPU_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True, "sleep_on_idle": True}
 
 
