@@ -160,11 +160,14 @@ class _ForkServer:
     def fork(self, target: str, workdir: Path, rank: int, env: dict) -> _ForkedRank:
         self._wait_ready()
         request = {"target": target, "workdir": str(workdir), "rank": rank, "env": env, "cwd": os.getcwd()}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        if not answer:
-            raise LaunchError(f"the launch fork server exited with {self.proc.wait()}")
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except BrokenPipeError:
+            answer = ""
+        if not answer:  # e.g. killed by a library that stops every process below the launching one
+            raise LaunchError(f"the launch fork server (pid {self.proc.pid}) exited with {self.proc.wait()}")
         return _ForkedRank(json.loads(answer)["pid"], workdir / f"exit{rank}")
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ get them back (rollout/routed_experts.py). On CPU this needs the plugin in sglan
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Iterable
 
 import torch
 
+from megatron_marsrl.procs import descendants
 from megatron_marsrl.rollout.batcher import BatchedEngine, DynamicBatcher
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest
 from megatron_marsrl.rollout.routed_experts import decode_sglang, experts_layout
@@ -97,7 +100,10 @@ class SGLangEngine(BatchedEngine):
         self.max_total_tokens = max_total_tokens
         self.weight_version = 0
         self._tp_size = tp_size
+        before = set(descendants())
         self._engine = Engine(**kwargs, **server_args)
+        self.processes = [pid for pid in descendants() if pid not in before]
+        """The processes this engine started (its scheduler, detokenizer), stopped by `shutdown`."""
         self._batcher = DynamicBatcher(self._run_batch, token_budget=max_total_tokens, name="sglang-engine")
 
     def _check_request(self, req: EngineRequest) -> None:
@@ -154,10 +160,36 @@ class SGLangEngine(BatchedEngine):
         self._engine.resume_memory_occupation(tags=list(tags))
 
     def shutdown(self) -> None:
+        """Stop the engine and the processes it started, and no other process of ours."""
         self._batcher.close()
         if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+            engine, self._engine = self._engine, None
+            atexit.unregister(engine.shutdown)  # SGLang registers it; it would run again at exit
+            with _tree_kills_limited_to(self.processes):
+                engine.shutdown()
+
+
+@contextlib.contextmanager
+def _tree_kills_limited_to(pids: list[int]):
+    """``sglang.Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
+    it SIGKILLs every process below the caller, not only the engine's (the launch fork server,
+    SGLang servers, a rank's other children). Within the block that call stops ``pids`` and
+    their children instead; calls for other processes are left as they are."""
+    import sglang.srt.entrypoints.engine as sglang_engine
+
+    kill_tree = sglang_engine.kill_process_tree
+
+    def limited(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid not in (None, os.getpid()):
+            return kill_tree(parent_pid, include_parent, skip_pid, wait_timeout)
+        for pid in pids:
+            kill_tree(pid, True, skip_pid, wait_timeout)
+
+    sglang_engine.kill_process_tree = limited
+    try:
+        yield
+    finally:
+        sglang_engine.kill_process_tree = kill_tree
 
 
 def to_record(req: EngineRequest, out: dict, weight_version: int, *,

@@ -2,6 +2,9 @@
 log-probs equal Megatron's, a Megatron TP2 training step makes it stale, the bucketed weight
 sync makes it agree again, and no stand-in kernel was ever called; the engine's routed experts,
 replayed in Megatron, remove the mismatch that flipped routing causes."""
+import subprocess
+
+import psutil
 import pytest
 
 from megatron_marsrl.megatron.launch import launch
@@ -39,7 +42,8 @@ def test_disaggregated_update_over_a_gloo_group(tiny_hf):
 def test_concurrent_requests_are_batched_and_weights_read_back(tiny_hf):
     """Requests sent one by one through the pool reach the in-process engine as batches; the
     sync check's read-back returns the engine's weights bit for bit (SGLang implements
-    get_weights_by_name for Llama, not for Qwen3 in 0.5.23)."""
+    get_weights_by_name for Llama, not for Qwen3 in 0.5.23); shutting it down stops its own
+    processes and no other child of this process."""
     import asyncio
     from pathlib import Path
 
@@ -51,7 +55,9 @@ def test_concurrent_requests_are_batched_and_weights_read_back(tiny_hf):
     from megatron_marsrl.rollout.sglang_engine import SGLangEngine
 
     hf = tiny_hf("llama")
+    older = subprocess.Popen(["sleep", "300"])  # e.g. the launch fork server, started before the engine
     engine = SGLangEngine(hf, max_total_tokens=4096, seed=0)
+    newer = subprocess.Popen(["sleep", "300"])  # e.g. a rank's SGLang server, started after it
     try:
         requests = [EngineRequest(rid=f"r{i}", prompt_ids=[1 + i, 2, 3],
                                   sampling=EngineSampling(temperature=1.0, max_new_tokens=8, seed=i)) for i in range(12)]
@@ -61,5 +67,14 @@ def test_concurrent_requests_are_batched_and_weights_read_back(tiny_hf):
         name = "model.layers.0.self_attn.q_proj.weight"
         held = engine.read_weights([name], 8)[name]
         assert torch.equal(held, load_file(str(Path(hf) / "model.safetensors"))[name][:8].float())
+        # SGLang's own shutdown SIGKILLs every process below this one; ours stops only the engine's
+        assert engine.processes
+        engine.shutdown()
+        assert older.poll() is None and newer.poll() is None
+        assert not [pid for pid in engine.processes if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     finally:
         engine.shutdown()
+        for proc in (older, newer):
+            proc.kill()
+            proc.wait()
