@@ -9,18 +9,19 @@ env-path:
 	@scripts/env.sh 2>/dev/null
 
 # pytest-xdist workers; each test file runs whole on one worker (its module fixtures, e.g. the
-# shared training run of tests/rl/test_train.py, are made once). 2 matches the 2-core CI machine:
-# most tests are one rank with one thread, so two workers fill both cores.
+# shared training run of tests/rl/test_train.py, are made once), files handed out in collection
+# order (tests/conftest.py puts the longest first). 2 matches the 2-core CI machine: most tests
+# are one rank with one thread, so two workers fill both cores.
 TEST_WORKERS ?= 2
 
 # The whole CPU suite (what CI runs); no test needs a GPU (scripts/gpu_check.sh is the GPU check).
 test:
-	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile
+	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The suite without the tests marked slow (over ~7 s: marsrl train / convert / selfcheck runs,
 # SGLang engines, multi-node, cluster-recipe dry runs): 865 tests in about 4 minutes on 2 cores.
 test-fast:
-	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # The embedded CPU main job: SFT warm start, then RL of the three roles on 2 CPU ranks (8-12 minutes).
 run:
