@@ -189,14 +189,28 @@ def _stops_key(s: EngineSampling) -> tuple[int, ...]:
 
 
 class _GumbelSampler:
-    """Logits processor: each row perturbed by :func:`gumbel_perturb` with its own sampling
-    and generator, so that transformers' greedy decoding picks an exact sample per row."""
+    """Logits processor: each row perturbed as :func:`gumbel_perturb` does with its own sampling
+    and generator, so that transformers' greedy decoding picks an exact sample per row. Rows of
+    the same sampling are filtered and perturbed together (each drawing from its own generator):
+    the same values as row by row, at a fraction of the per-row calls."""
 
     def __init__(self, rows: list[tuple[EngineSampling, torch.Generator]]):
         self.rows = rows
+        groups: dict[tuple, list[int]] = {}
+        for row, (s, _) in enumerate(rows):
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(row)
+        self.groups = list(groups.values())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return torch.stack([gumbel_perturb(s, scores[row], g) for row, (s, g) in enumerate(self.rows)])
+        out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+        for rows in self.groups:
+            s = self.rows[rows[0]][0]
+            if s.temperature == 0:
+                out[rows] = scores[rows].float()
+                continue
+            uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.rows[r][1]) for r in rows])
+            out[rows] = _gumbel(_filtered(s, scores[rows]), uniform)
+        return out
 
 
 def gumbel_perturb(s: EngineSampling, scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -205,6 +219,11 @@ def gumbel_perturb(s: EngineSampling, scores: torch.Tensor, generator: torch.Gen
     softmax(scores / T). Greedy (T = 0) returns the scores unchanged. Any leading shape."""
     if s.temperature == 0:
         return scores.float()
+    return _gumbel(_filtered(s, scores), torch.rand(scores.shape, generator=generator))
+
+
+def _filtered(s: EngineSampling, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` / temperature, with what top-k and top-p leave out at -inf (per last-dim row)."""
     scores = scores.float() / s.temperature
     if s.top_k > 0 and s.top_k < scores.shape[-1]:
         kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
@@ -214,5 +233,10 @@ def gumbel_perturb(s: EngineSampling, scores: torch.Tensor, generator: torch.Gen
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
         drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) > s.top_p  # keep the first over p
         scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    uniform = torch.rand(scores.shape, generator=generator).clamp_(1e-20, 1.0).to(scores.device)
+    return scores
+
+
+def _gumbel(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``scores`` plus Gumbel noise made from CPU uniform draws of the same shape."""
+    uniform = uniform.clamp_(1e-20, 1.0).to(scores.device)
     return scores - torch.log(-torch.log(uniform))
