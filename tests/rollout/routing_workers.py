@@ -104,10 +104,13 @@ def replay_vs_engine(hf_dir: str, layout: dict, engine: str = "hf") -> dict:
             held.shutdown()
 
 
-def replay_then_train_sync(hf_dir: str, layout: dict, engine: str) -> dict:
+def replay_then_train_sync(hf_dir: str, layout: dict, engine: str, call_log: str) -> dict:
     """One engine and one Megatron model for two proofs (one SGLang start, one launch): the
     routing replay's (`replay_report`, under key "replay"), then train-then-sync's
-    (tests.rollout.workers), which finds the model as it was built."""
+    (tests.rollout.workers), which finds the model as it was built. A stand-in kernel that
+    SGLang's processes call is written to `call_log` (set here, so the launch's environment
+    stays the fork server's)."""
+    os.environ["MARSRL_SGL_KERNEL_CALL_LOG"] = call_log
     held = _engine(engine, hf_dir, routed_experts=True) if int(os.environ["RANK"]) == 0 else None
     arch, _, model = build_from_hf(hf_dir, layout)
     try:

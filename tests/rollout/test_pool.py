@@ -240,15 +240,19 @@ def test_abort_cancels_in_flight_requests(hf_engines):
     assert asyncio.run(scenario()) >= 5
 
 
+API_KEY = "s3cret"
+
+
 @pytest.fixture(scope="module")
 def sglang_servers(tiny_hf, tmp_path_factory):
     """Two real SGLang servers (a 4096-token context), started side by side, shared by this
-    module's tests; afterwards no process of theirs is left."""
+    module's tests; the second asks for an API key (API_KEY). Afterwards no process of theirs is left."""
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     model = tiny_hf("qwen3", max_position_embeddings=4096)
     log_dir = str(tmp_path_factory.mktemp("sglang_logs"))
-    servers = [SGLangServer(SGLangServerConfig(model_path=model, max_total_tokens=16384, seed=i, log_dir=log_dir))
+    servers = [SGLangServer(SGLangServerConfig(model_path=model, max_total_tokens=16384, seed=i, log_dir=log_dir,
+                                               api_key=API_KEY if i == 1 else None))
                for i in range(2)]
     starters = [threading.Thread(target=s.start) for s in servers]
     for t in starters:
@@ -288,6 +292,23 @@ def test_sglang_server_killed_mid_generation_is_retried_elsewhere_and_restarted(
     while not servers[0].healthy(timeout=60) and time.time() < deadline:
         time.sleep(1)
     assert servers[0].healthy(timeout=60), servers[0].log_tail()
+
+
+@pytest.mark.slow
+def test_a_server_with_a_key_refuses_requests_without_it(sglang_servers):
+    """The pool's own requests carry the key (the kill test above generated on this server too)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    keyed = sglang_servers[1]
+    req = urllib.request.Request(f"{keyed.url}/generate", data=json.dumps({"input_ids": [1, 2, 3]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(req, timeout=30)
+    assert denied.value.code == 401
+    out = keyed.generate(_reqs(1, max_new=2))
+    assert len(out[0].output_ids) == 2
 
 
 @pytest.mark.slow

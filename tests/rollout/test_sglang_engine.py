@@ -20,8 +20,8 @@ def test_sglang_routing_replay_then_sync_from_megatron(tiny_hf, tmp_path, engine
     train-then-sync; tests/rollout/routing_workers.py)."""
     calls = tmp_path / "sgl_kernel_calls.log"
     reports = launch("tests.rollout.routing_workers:replay_then_train_sync", 2,
-                     {"hf_dir": tiny_hf("qwen3_moe"), "layout": layout, "engine": engine},
-                     env={"OMP_NUM_THREADS": "1", "MARSRL_SGL_KERNEL_CALL_LOG": str(calls)})
+                     {"hf_dir": tiny_hf("qwen3_moe"), "layout": layout, "engine": engine, "call_log": str(calls)},
+                     env={"OMP_NUM_THREADS": "1"})  # the fork server's environment: ranks forked, not started
     r = reports[0]
     assert_replay_helps(r["replay"])
     assert r["rollout_vs_megatron"]["max"] < 1e-3 and r["rollout_vs_megatron"]["tokens"] == 18
