@@ -33,3 +33,25 @@ def test_a_bad_limit_is_a_usage_error(pytester, monkeypatch):
     result = pytester.runpytest_subprocess("-p", "tests.timeout_plugin", "-p", "no:cacheprovider")
     assert result.ret == 4  # pytest's usage error, before any test ran
     result.stderr.fnmatch_lines(["*MARSRL_TEST_TIMEOUT='ten': give whole seconds*"])
+
+
+def test_a_marked_test_has_its_own_limit(pytester, monkeypatch):
+    monkeypatch.setenv("MARSRL_TEST_TIMEOUT", "60")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    pytester.makepyfile(test_inner="""
+        import time
+
+        import pytest
+
+        @pytest.mark.time_limit(1)
+        def test_marked():
+            time.sleep(30)
+
+        @pytest.mark.time_limit(5)
+        def test_marked_longer_than_it_runs():
+            time.sleep(2)
+    """)
+    result = pytester.runpytest_subprocess("-p", "tests.timeout_plugin", "-p", "no:cacheprovider", "--strict-markers")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*TestTimeout: call ran past 1 s (time_limit)*"])
+    assert result.duration < 25

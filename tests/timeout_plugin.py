@@ -2,8 +2,9 @@
 start or a deadlocked rank fails that test within minutes and the run still ends with its
 summary, instead of eating CI's 90 minutes and printing nothing.
 
-The limit is MARSRL_TEST_TIMEOUT seconds (default 600: 2.5x the slowest test, the main job's
-100 steps at ~240 s; 0 turns it off). On expiry a watchdog thread writes every thread's stack
+The limit is MARSRL_TEST_TIMEOUT seconds (default 600, 0 turns every limit off); a test marked
+``@pytest.mark.time_limit(seconds)`` gets its own instead (the main job: 6-11 minutes on 2 busy
+cores, with its own subprocess timeout inside). On expiry a watchdog thread writes every thread's stack
 to the test's captured stderr (where it hung) and signals the main thread (SIGUSR2, which
 interrupts a blocking wait), whose handler raises TestTimeout; subprocess.run kills its child
 on the way out. Not SIGALRM: math_verify sets and cancels its own alarms in the main thread.
@@ -34,14 +35,19 @@ def pytest_configure(config) -> None:
         raise pytest.UsageError(f"MARSRL_TEST_TIMEOUT={raw!r}: give whole seconds (0 turns the limit off)") from None
     if _limit["s"] < 0:
         raise pytest.UsageError(f"MARSRL_TEST_TIMEOUT={raw}: give whole seconds >= 0 (0 turns the limit off)")
+    config.addinivalue_line("markers", "time_limit(seconds): this test's limit per phase instead of "
+                                       "MARSRL_TEST_TIMEOUT's (tests/timeout_plugin.py)")
 
 
 def _limited(item, phase: str):
     seconds = _limit["s"]
+    marker = item.get_closest_marker("time_limit")
+    if seconds and marker is not None:
+        seconds = marker.args[0]
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
-    message = f"{phase} ran past {seconds} s (MARSRL_TEST_TIMEOUT)"
+    message = f"{phase} ran past {seconds} s ({'time_limit' if marker else 'MARSRL_TEST_TIMEOUT'})"
 
     def expire(signum, frame):
         raise TestTimeout(message)

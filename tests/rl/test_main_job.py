@@ -8,6 +8,7 @@ from tests.rl.runs import eval_metrics, train
 
 
 @pytest.mark.slow
+@pytest.mark.time_limit(1500)  # 6-9 minutes alone; 10 or more beside the other CI worker's jobs
 def test_main_job_warm_starts_then_rl_trains_every_role_measured_with_intervals(tmp_path):
     """The README's main job (`make run`), its first 100 of 300 steps (CI time): the warm start
     answers in the task's format; RL raises the held-out Solver accuracy and the Corrector's fix
