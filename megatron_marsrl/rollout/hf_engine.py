@@ -190,9 +190,10 @@ def _stops_key(s: EngineSampling) -> tuple[int, ...]:
 
 class _GumbelSampler:
     """Logits processor: each row perturbed as :func:`gumbel_perturb` does with its own sampling
-    and generator, so that transformers' greedy decoding picks an exact sample per row. Rows of
-    the same sampling are filtered and perturbed together (each drawing from its own generator):
-    the same values as row by row, at a fraction of the per-row calls."""
+    and generator, so that transformers' greedy decoding picks an exact sample per row. The rows
+    draw their noise in row order (unseeded rows share one generator), then rows of the same
+    sampling are filtered and perturbed together: the same values as row by row, at a fraction
+    of the per-row calls."""
 
     def __init__(self, rows: list[tuple[EngineSampling, torch.Generator]]):
         self.rows = rows
@@ -202,14 +203,15 @@ class _GumbelSampler:
         self.groups = list(groups.values())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        draws = {row: torch.rand(scores.shape[-1], generator=g)
+                 for row, (s, g) in enumerate(self.rows) if s.temperature != 0}
         out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
         for rows in self.groups:
             s = self.rows[rows[0]][0]
             if s.temperature == 0:
                 out[rows] = scores[rows].float()
                 continue
-            uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.rows[r][1]) for r in rows])
-            out[rows] = _gumbel(_filtered(s, scores[rows]), uniform)
+            out[rows] = _gumbel(_filtered(s, scores[rows]), torch.stack([draws[r] for r in rows]))
         return out
 
 

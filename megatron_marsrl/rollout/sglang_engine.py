@@ -103,7 +103,9 @@ class SGLangEngine(BatchedEngine):
         before = set(descendants())
         self._engine = Engine(**kwargs, **server_args)
         self.processes = [pid for pid in descendants() if pid not in before]
-        """The processes this engine started (its scheduler, detokenizer), stopped by `shutdown`."""
+        """The processes this engine started (its scheduler, detokenizer), stopped by `shutdown`:
+        those that appeared below this process while it started (nothing else of ours starts a
+        process in those seconds)."""
         self._batcher = DynamicBatcher(self._run_batch, token_budget=max_total_tokens, name="sglang-engine")
 
     def _check_request(self, req: EngineRequest) -> None:
@@ -165,7 +167,8 @@ class SGLangEngine(BatchedEngine):
         if self._engine is not None:
             engine, self._engine = self._engine, None
             atexit.unregister(engine.shutdown)  # SGLang registers it; it would run again at exit
-            with _tree_kills_limited_to(self.processes):
+            alive = set(descendants())  # not a pid reused since by a process that is not ours
+            with _tree_kills_limited_to([pid for pid in self.processes if pid in alive]):
                 engine.shutdown()
 
 
@@ -174,7 +177,9 @@ def _tree_kills_limited_to(pids: list[int]):
     """``sglang.Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
     it SIGKILLs every process below the caller, not only the engine's (the launch fork server,
     SGLang servers, a rank's other children). Within the block that call stops ``pids`` and
-    their children instead; calls for other processes are left as they are."""
+    their children instead; calls for other processes are left as they are. (SGLang's SIGQUIT
+    handler, which a crashed scheduler triggers, still stops the whole tree and this process:
+    a failure that ends the rank.)"""
     import sglang.srt.entrypoints.engine as sglang_engine
 
     kill_tree = sglang_engine.kill_process_tree

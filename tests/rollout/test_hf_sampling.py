@@ -29,6 +29,27 @@ def test_gumbel_sampler_top_p_and_top_k():
     assert got[0] == 1.0
 
 
+def test_a_batch_is_perturbed_as_its_rows_are_one_by_one():
+    """The batch's sampler (rows of one sampling together) gives each row the values
+    `gumbel_perturb` gives it alone, in row order, also where rows share one generator (the
+    unseeded requests of a batch) and the batch mixes temperatures, top-p, top-k and greedy."""
+    from megatron_marsrl.rollout.hf_engine import _GumbelSampler
+
+    settings = [EngineSampling(temperature=1.0), EngineSampling(temperature=0.7, top_p=0.9),
+                EngineSampling(temperature=0.7, top_p=0.9), EngineSampling(temperature=0.0),
+                EngineSampling(temperature=1.0), EngineSampling(temperature=1.3, top_k=3)]
+    scores = torch.randn(len(settings), 50, generator=torch.Generator().manual_seed(3)) * 3
+
+    def generators():  # rows 0, 2 and 4 share one (unseeded requests), the others have their own
+        shared = torch.Generator().manual_seed(11)
+        return [shared if row % 2 == 0 else torch.Generator().manual_seed(row) for row in range(len(settings))]
+
+    alone = torch.stack([gumbel_perturb(s, scores[row], g)
+                         for row, (s, g) in enumerate(zip(settings, generators()))])
+    together = _GumbelSampler(list(zip(settings, generators())))(None, scores)
+    assert torch.equal(alone, together)
+
+
 def test_seeded_requests_ignore_the_global_rng(tiny_hf):
     engine = TransformersEngine(tiny_hf("qwen3"), seed=0)
     req = EngineRequest(prompt_ids=[1, 2, 3], sampling=EngineSampling(temperature=1.0, max_new_tokens=12, seed=77))

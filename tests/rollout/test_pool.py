@@ -1,5 +1,5 @@
 """EnginePool over real embedded engines (fast) and two real SGLang servers, one killed
-mid-generation (slow)."""
+mid-generation, the other asking for an API key (slow)."""
 import asyncio
 import subprocess
 import threading

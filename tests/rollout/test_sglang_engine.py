@@ -71,10 +71,16 @@ def test_concurrent_requests_are_batched_and_weights_read_back(tiny_hf):
         assert engine.processes
         engine.shutdown()
         assert older.poll() is None and newer.poll() is None
-        assert not [pid for pid in engine.processes if psutil.pid_exists(pid)
-                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        assert not [pid for pid in engine.processes if _running(pid)]
     finally:
         engine.shutdown()
         for proc in (older, newer):
             proc.kill()
             proc.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
