@@ -10,7 +10,7 @@ env-path:
 
 # pytest-xdist workers; each test file runs whole on one worker (its module fixtures, e.g. the
 # shared training run of tests/rl/test_train.py, are made once), files handed out in collection
-# order (tests/conftest.py puts the longest first). 2 matches the 2-core CI machine: most tests
+# order (tests/conftest.py puts the main job's first, then the files with most tests). 2 matches the 2-core CI machine: most tests
 # are one rank with one thread, so two workers fill both cores.
 TEST_WORKERS ?= 2
 
@@ -19,7 +19,7 @@ test:
 	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The suite without the tests marked slow (over ~7 s: marsrl train / convert / selfcheck runs,
-# SGLang engines, multi-node, cluster-recipe dry runs): 865 tests in about 4 minutes on 2 cores.
+# SGLang engines, multi-node, cluster-recipe dry runs): 867 tests in about 4 minutes on 2 cores.
 test-fast:
 	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 

@@ -6,32 +6,26 @@ from megatron_marsrl.megatron.tiny import make_hf_checkpoint
 
 pytest_plugins = ["pytester", "tests.timeout_plugin"]
 
-# The longest test files (seconds in the clean-clone CI on the 2-core AMD EPYC machine, stop
-# 44), the main job's single test first (it cannot be split), then longest first: they are
-# collected first, so that `make test` (xdist --dist loadfile --no-loadscope-reorder: files
-# handed out in collection order) starts them first instead of leaving one worker alone with
-# the 9-minute main job at the end.
-LONGEST_FIRST = (
-    "tests/rl/test_main_job.py",  # 384-526
-    "tests/rl/test_train.py",  # 623
-    "tests/rl/test_train_sglang.py",  # 395-520
-    "tests/rollout/test_sglang_engine.py",  # 397
-    "tests/rollout/test_pool.py",  # 238
-    "tests/test_sft.py",  # 174
-    "tests/megatron/test_convert_tools.py",  # 175
-    "tests/rl/test_recipes_qwen3.py",  # 172
-    "tests/rl/test_bench_learning.py",  # 137-165
-    "tests/agents/test_eval_served.py",  # 138
-)
+# Collected first, so that `make test` (xdist --dist loadfile --no-loadscope-reorder: files
+# handed out in collection order) starts it at once: the main job's single test (6-9 minutes
+# alone, two ranks), which otherwise started last and ran alone at the end. The other files
+# follow in the order xdist's own --loadscope-reorder gives (most tests first), which kept
+# the heavy 2-rank files apart: with the ten longest files first instead, both workers ran
+# 2-rank jobs side by side for half an hour and the suite took longer (stop 45's CI runs).
+FIRST = "tests/rl/test_main_job.py"
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The files of LONGEST_FIRST first, in that order; the others after, as collected."""
-    missing = [path for path in LONGEST_FIRST if not (config.rootpath / path).is_file()]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that are gone: {missing}")
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """FIRST's tests first, then the other files by their number of tests, most first (ties in
+    collection order); a file's tests stay together and in order."""
+    if not (config.rootpath / FIRST).is_file():
+        raise pytest.UsageError(f"tests/conftest.py FIRST names a file that is gone: {FIRST}")
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    first_seen = {f: files.index(f) for f in count}
+    order = {item.nodeid: (f != FIRST, -count[f], first_seen[f], n)
+             for n, (item, f) in enumerate(zip(items, files))}
+    items.sort(key=lambda item: order[item.nodeid])
 
 
 @pytest.fixture(scope="session", autouse=True)
