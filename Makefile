@@ -10,8 +10,8 @@ env-path:
 
 # pytest-xdist workers; each test file runs whole on one worker (its module fixtures, e.g. the
 # shared training run of tests/rl/test_train.py, are made once), files handed out in collection
-# order (tests/conftest.py puts the main job's first, then the files with most tests). 2 matches the 2-core CI machine: most tests
-# are one rank with one thread, so two workers fill both cores.
+# order (tests/conftest.py puts the main job's first, then the files with most tests). 2 matches
+# the 2-core CI machine: most tests are one rank with one thread, so two workers fill both cores.
 TEST_WORKERS ?= 2
 
 # The whole CPU suite (what CI runs); no test needs a GPU (scripts/gpu_check.sh is the GPU check).

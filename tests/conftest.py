@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 
@@ -21,10 +22,9 @@ def pytest_collection_modifyitems(session, config, items):
     if not (config.rootpath / FIRST).is_file():
         raise pytest.UsageError(f"tests/conftest.py FIRST names a file that is gone: {FIRST}")
     files = [item.nodeid.split("::")[0] for item in items]
-    count = {f: files.count(f) for f in set(files)}
-    first_seen = {f: files.index(f) for f in count}
-    order = {item.nodeid: (f != FIRST, -count[f], first_seen[f], n)
-             for n, (item, f) in enumerate(zip(items, files))}
+    count = Counter(files)  # its keys in first-seen order
+    rank = {f: (f != FIRST, -n, seen) for seen, (f, n) in enumerate(count.items())}
+    order = {item.nodeid: (rank[f], i) for i, (item, f) in enumerate(zip(items, files))}
     items.sort(key=lambda item: order[item.nodeid])
 
 

@@ -4,8 +4,8 @@ summary, instead of eating CI's 90 minutes and printing nothing.
 
 The limit is MARSRL_TEST_TIMEOUT seconds (default 600, 0 turns every limit off); a test marked
 ``@pytest.mark.time_limit(seconds)`` gets its own instead (the main job: 6-11 minutes on 2 busy
-cores, with its own subprocess timeout inside). On expiry a watchdog thread writes every thread's stack
-to the test's captured stderr (where it hung) and signals the main thread (SIGUSR2, which
+cores, with its own subprocess timeout inside). On expiry a watchdog thread writes every thread's
+stack to the test's captured stderr (where it hung) and signals the main thread (SIGUSR2, which
 interrupts a blocking wait), whose handler raises TestTimeout; subprocess.run kills its child
 on the way out. Not SIGALRM: math_verify sets and cancels its own alarms in the main thread.
 """

@@ -292,8 +292,8 @@ def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per
     (nothing measured yet), then on (the target is above any entropy here)."""
     run = tmp_path / "run"
     train(run, "run.steps=3", "run.checkpoint_every=0", "run.eval_every=0", "pipeline.mode=sync",
-          "pipeline.problems_per_step=4", "rollout.max_stages=4", "advantage.estimator=drmas", "loss.old_logprobs=rollout", "loss.ratio=sequence",
-          "loss.clip_low=0.0003", "loss.clip_high=0.0004", "policy.mini_batch_sequences=32",
+          "pipeline.problems_per_step=4", "rollout.max_stages=4", "advantage.estimator=drmas",
+          "loss.old_logprobs=rollout", "loss.ratio=sequence", "loss.clip_low=0.0003", "loss.clip_high=0.0004", "policy.mini_batch_sequences=32",
           "loss.dmmpt={}", "loss.dmmpt.entropy_target=50")
     m = step_metrics(run)
     assert sorted(m) == [1, 2, 3]

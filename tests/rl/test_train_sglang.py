@@ -23,8 +23,8 @@ def test_an_engine_dying_mid_step_aborts_the_step_and_a_resume_redoes_it(tmp_pat
 
     run = tmp_path / "run"
     args = ("run.steps=3", "run.checkpoint_every=0", "run.eval_every=0")
-    proc = subprocess.Popen(command(run, "--engine", "sglang_server", *args), env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(command(run, "--engine", "sglang_server", *args), env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # step 1's record is written after its weight sync: step 2's rollout is what runs next
     wait_for(lambda: max(step_metrics(run)) >= 1, proc)
     servers = [p for p in psutil.Process(proc.pid).children(recursive=True)

@@ -246,7 +246,8 @@ API_KEY = "s3cret"
 @pytest.fixture(scope="module")
 def sglang_servers(tiny_hf, tmp_path_factory):
     """Two real SGLang servers (a 4096-token context), started side by side, shared by this
-    module's tests; the second asks for an API key (API_KEY). Afterwards no process of theirs is left."""
+    module's tests; the second asks for an API key (API_KEY). Afterwards no process of theirs is
+    left."""
     from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     model = tiny_hf("qwen3", max_position_embeddings=4096)
