@@ -59,31 +59,6 @@ def test_train_end_to_end_embedded_engine(reference_run, tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-@pytest.mark.slow
-def test_time_shared_colocation_runs_its_phases_in_order(tmp_path):
-    """pipeline.time_shared: the trainer leaves the GPU before the engines start; each step
-    releases the engines and brings the trainer back after the rollout, and offloads the trainer
-    and resumes the engines around the weight sync, on every rank in the same order; a resume
-    loads the checkpoint and syncs as a step does (on CPU the moves are skipped and logged)."""
-    run = tmp_path / "run"
-    shared = ("run.eval_every=0", "pipeline.time_shared=true", "scheduler.overlap=false")
-    train(run, "run.steps=1", "run.checkpoint_every=1", *shared)
-    train(run, "run.steps=2", "run.checkpoint_every=2", "--resume", *shared)
-    check_steps(run, 2)
-    log = (run / "train.log").read_text()
-    assert "no GPU, so the trainer's offload and SGLang's memory release are skipped" in log
-    step = [("0", "to_training"), ("0", "to_sync"), ("0", "to_rollout")]
-    for rank in (0, 1):
-        phases = re.findall(rf"rank{rank} INFO .*time-shared step (\d+): (\w+)", log)
-        assert phases == [("0", "start"), *step,  # the first run's step
-                          ("0", "start"), *step,  # the resume: checkpoint loaded, weights synced
-                          *[("1", phase) for _, phase in step]], phases
-    # in both runs the engines start after the trainer left the GPU
-    order = re.findall(r"rank0 INFO .*(time-shared step 0: start|rollout engines started)", log)
-    assert order == ["time-shared step 0: start", "rollout engines started"] * 2, order
-    assert (run / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
-
-
 def test_time_shared_colocation_refuses_overlap(tmp_path):
     proc = subprocess.run(command(tmp_path / "run", "pipeline.time_shared=true"), capture_output=True, text=True,
                           env=run_env(), timeout=120)
@@ -307,15 +282,32 @@ def test_ppo_mini_batches_against_the_behaviour_policy_with_gspo_drmas_and_a_per
 
 
 @pytest.mark.slow
-def test_one_policy_per_role_with_reference_kl(tmp_path):
+def test_one_policy_per_role_with_reference_kl_time_shared(tmp_path):
     """policy.sharing=per_role: a Megatron model, optimizer and engine per role, each synced;
     resumed from a checkpoint taken before the Corrector's first update (its optimizer had no
-    state to save)."""
+    state to save).
+
+    pipeline.time_shared: the trainer leaves the GPU before the engines start; each step
+    releases the engines and brings the trainer back after the rollout, and offloads the trainer
+    and resumes the engines around the weight sync, on every rank in the same order; a resume
+    loads the checkpoint and syncs as a step does (on CPU the moves are skipped and logged)."""
     run = tmp_path / "run"
     per_role = ("run.checkpoint_every=0", "run.eval_every=0", "policy.sharing=per_role", "policy.reference=true",
-                "loss.kl_coef=0.01")
+                "loss.kl_coef=0.01", "pipeline.time_shared=true", "scheduler.overlap=false")
     train(run, "run.steps=2", *per_role)
     train(run, "run.steps=3", *per_role, "--resume")
+    log = (run / "train.log").read_text()
+    assert "no GPU, so the trainer's offload and SGLang's memory release are skipped" in log
+    def step(n):
+        return [(str(n), "to_training"), (str(n), "to_sync"), (str(n), "to_rollout")]
+    for rank in (0, 1):
+        phases = re.findall(rf"rank{rank} INFO .*time-shared step (\d+): (\w+)", log)
+        assert phases == [("0", "start"), *step(0), *step(1),  # the first run's two steps
+                          ("0", "start"), *step(0),  # the resume: checkpoint loaded, weights synced
+                          *step(1)], phases
+    # in both runs the engines start after the trainer left the GPU
+    order = re.findall(r"rank0 INFO .*(time-shared step 0: start|rollout engines started)", log)
+    assert order == ["time-shared step 0: start", "rollout engines started"] * 2, order
     m = step_metrics(run)
     assert m[1]["verifier/trained_nothing"] == 1.0  # no verifier samples before step 2
     for role in ROLES:
