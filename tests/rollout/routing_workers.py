@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_marsrl.megatron.forward import token_logprobs
 from megatron_marsrl.megatron.verify import build_from_hf
 from megatron_marsrl.rollout.engine import EngineRequest, EngineSampling
-from tests.rollout.workers import TEMPERATURE, _engine, _train_then_sync
+from tests.rollout.workers import TEMPERATURE, _engine, _train_then_sync, distributed_update
 
 
 def _rollouts(engine, vocab: int, count: int, new_tokens: int) -> list[dict]:
@@ -107,7 +107,8 @@ def replay_vs_engine(hf_dir: str, layout: dict, engine: str = "hf") -> dict:
 def replay_then_train_sync(hf_dir: str, layout: dict, engine: str, call_log: str) -> dict:
     """One engine and one Megatron model for two proofs (one SGLang start, one launch): the
     routing replay's (`replay_report`, under key "replay"), then train-then-sync's
-    (tests.rollout.workers), which finds the model as it was built. A stand-in kernel that
+    (tests.rollout.workers), which finds the model as it was built; an SGLang server then takes
+    a disaggregated trainer's updates (`distributed_update`, under key "disaggregated"). A stand-in kernel that
     SGLang's processes call is written to `call_log` (set here, so the launch's environment
     stays the fork server's)."""
     os.environ["MARSRL_SGL_KERNEL_CALL_LOG"] = call_log
@@ -115,7 +116,10 @@ def replay_then_train_sync(hf_dir: str, layout: dict, engine: str, call_log: str
     arch, _, model = build_from_hf(hf_dir, layout)
     try:
         report = {"replay": replay_report(model, arch, held, hf_dir)}
-        return {**report, **_train_then_sync(model, arch, held, steps=2, bucket_bytes=32 << 10)}
+        report.update(_train_then_sync(model, arch, held, steps=2, bucket_bytes=32 << 10))
+        if engine == "sglang_server" and held is not None:  # the same server, updated as a split trainer does
+            report["disaggregated"] = distributed_update(held, hf_dir)
+        return report
     finally:
         if held is not None:
             held.shutdown()

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow  # SGLang start-up (~20 s) plus 2 Megatron ranks
 @pytest.mark.parametrize("engine,layout", [("sglang", {"tp": 2}), ("sglang_server", {"ep": 2})])
 def test_sglang_routing_replay_then_sync_from_megatron(tiny_hf, tmp_path, engine, layout):
     """In-process sglang.Engine under TP2 (with sequence parallel), and the HTTP server process
-    under EP2: one engine start and one launch for both proofs (routing replay, then
-    train-then-sync; tests/rollout/routing_workers.py)."""
+    under EP2: one engine start and one launch for all proofs (routing replay, then
+    train-then-sync, then for the server a disaggregated trainer's updates over a gloo group;
+    tests/rollout/routing_workers.py)."""
     calls = tmp_path / "sgl_kernel_calls.log"
     reports = launch("tests.rollout.routing_workers:replay_then_train_sync", 2,
                      {"hf_dir": tiny_hf("qwen3_moe"), "layout": layout, "engine": engine, "call_log": str(calls)},
@@ -29,14 +30,11 @@ def test_sglang_routing_replay_then_sync_from_megatron(tiny_hf, tmp_path, engine
     assert r["synced_vs_megatron"]["max"] < 1e-3
     assert r["sync"]["tensors"] == 45 and r["engine_version"] == 1
     assert not calls.exists(), f"stand-in kernels were called: {calls.read_text()}"
-
-
-def test_disaggregated_update_over_a_gloo_group(tiny_hf):
-    r = launch("tests.rollout.workers:distributed_update", 1, {"hf_dir": tiny_hf("qwen3_moe")},
-               env={"OMP_NUM_THREADS": "1"})[0]
-    assert r["changed"] > 1e-3 and r["vs_reference"] < 1e-4 and r["bytes"] > 0
-    assert r["freed_on_server"] and r["freed_here"]  # close() frees the group on both sides...
-    assert r["restored"] < 1e-4 and r["version"] == 5  # ...and a new group carries the next update
+    if engine == "sglang_server":  # a disaggregated trainer's update over a gloo group
+        d = r["disaggregated"]
+        assert d["changed"] > 1e-3 and d["vs_reference"] < 1e-4 and d["bytes"] > 0
+        assert d["freed_on_server"] and d["freed_here"]  # close() frees the group on both sides...
+        assert d["restored"] < 1e-4 and d["version"] == 5  # ...and a new group carries the next update
 
 
 def test_concurrent_requests_are_batched_and_weights_read_back(tiny_hf):

@@ -68,44 +68,41 @@ def _train_then_sync(model, arch, engine, steps, bucket_bytes) -> dict:
     return report
 
 
-def distributed_update(hf_dir: str) -> dict:
-    """A 'trainer' process broadcasts scaled weights to an SGLang server over a gloo group;
-    the server's log-probs must then equal the embedded engine's holding the same weights."""
+def distributed_update(server, hf_dir: str) -> dict:
+    """This process as a disaggregated trainer: it broadcasts the weights of ``hf_dir``, scaled,
+    to the SGLang server ``server`` (whatever it holds) over a gloo group; the server's log-probs
+    must then equal the embedded engine's holding the same weights. Closing the sender frees the
+    group on both sides; a new group then carries ``hf_dir``'s own weights back."""
     from megatron_marsrl.megatron.hf_checkpoint import HFCheckpointReader
-    from megatron_marsrl.rollout.sglang_server import SGLangServer, SGLangServerConfig
     from megatron_marsrl.rollout.weight_sync import DistributedWeightSender
 
-    server = SGLangServer(SGLangServerConfig(model_path=hf_dir, max_total_tokens=2048)).start()
+    reader = HFCheckpointReader(hf_dir)
+    bucket = [(n, reader.read(n, None, 0, 1) * 0.7) for n in reader.weight_map]
+    seq = [[3, 17, 42, 5, 99, 8, 1, 64]]
+    before = server.score(seq)
+    sender = DistributedWeightSender([server])
+    report = sender.send([bucket[: len(bucket) // 2], bucket[len(bucket) // 2:]], version=4)
+    after = server.score(seq)
+    reference = TransformersEngine(hf_dir)
+    original = reference.score(seq)
+    reference.update_weights([bucket], version=4)
+    expected = reference.score(seq)
+    # the group freed on both sides (the server no longer knows it), then a new one works
+    sender.close()
     try:
-        reader = HFCheckpointReader(hf_dir)
-        names = [n for n in reader.weight_map if "mlp" in n]
-        bucket = [(n, reader.read(n, None, 0, 1) * 0.7) for n in names]
-        seq = [[3, 17, 42, 5, 99, 8, 1, 64]]
-        before = server.score(seq)
-        sender = DistributedWeightSender([server])
-        report = sender.send([bucket[: len(bucket) // 2], bucket[len(bucket) // 2:]], version=4)
-        after = server.score(seq)
-        reference = TransformersEngine(hf_dir)
-        reference.update_weights([bucket], version=4)
-        expected = reference.score(seq)
-        # the group freed on both sides (the server no longer knows it), then a new one works
-        sender.close()
-        try:
-            server.destroy_weights_group(sender.group_name)
-            freed_on_server = False
-        except ValueError as exc:  # SGLang answers 400
-            freed_on_server = "does not exist" in str(exc)
-        renewed = DistributedWeightSender([server], group_name="marsrl_weights_again")
-        renewed.send([[(n, t / 0.7) for n, t in bucket]], version=5)
-        restored = server.score(seq)
-        renewed.close()
-        return {"changed": max(abs(a - b) for a, b in zip(before[0], after[0])),
-                "vs_reference": max(abs(a - b) for a, b in zip(after[0], expected[0])),
-                "version": server.weight_version, "bytes": report["bytes"], "freed_on_server": freed_on_server,
-                "freed_here": sender.group not in dist.distributed_c10d._world.pg_map,
-                "restored": max(abs(a - b) for a, b in zip(before[0], restored[0]))}
-    finally:
-        server.stop()
+        server.destroy_weights_group(sender.group_name)
+        freed_on_server = False
+    except ValueError as exc:  # SGLang answers 400
+        freed_on_server = "does not exist" in str(exc)
+    renewed = DistributedWeightSender([server], group_name="marsrl_weights_again")
+    renewed.send([[(n, t / 0.7) for n, t in bucket]], version=5)
+    restored = server.score(seq)
+    renewed.close()
+    return {"changed": max(abs(a - b) for a, b in zip(before[0], after[0])),
+            "vs_reference": max(abs(a - b) for a, b in zip(after[0], expected[0])),
+            "version": server.weight_version, "bytes": report["bytes"], "freed_on_server": freed_on_server,
+            "freed_here": sender.group not in dist.distributed_c10d._world.pg_map,
+            "restored": max(abs(a - b) for a, b in zip(original[0], restored[0]))}
 
 
 def sync_that_misses_tensors(hf_dir: str, dtype: str = "float32", optimizer: str = "sgd", lr: float = 0.5,
