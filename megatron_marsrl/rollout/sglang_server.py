@@ -31,6 +31,7 @@ import torch
 from megatron_marsrl.net import free_port, is_loopback
 from megatron_marsrl.procs import set_parent_death_signal
 from megatron_marsrl.rollout.engine import EngineOutput, EngineRequest, GenerationTimeout
+from megatron_marsrl.rollout.sglang_cpu_shim.marsrl_sglang_cpu import FORK_ENV
 from megatron_marsrl.rollout.sglang_engine import CPU_ARGS, SHIM_DIR, EngineError, sglang_dtype
 
 _RUNNING: set["SGLangServer"] = set()
@@ -198,6 +199,7 @@ class SGLangServer:
         if on_cpu:
             cmd += _flags(CPU_ARGS)
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env[FORK_ENV] = "1"  # its scheduler and detokenizer forked, not spawned (the shim's plugin)
             env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         else:
             cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
