@@ -329,6 +329,7 @@ def test_idle_sglang_servers_leave_the_cores_to_the_trainer(sglang_servers):
     assert all(u < 0.5 for u in used), f"core-seconds used by each idle server in 5 s: {used}"
 
 
+@pytest.mark.slow
 def test_sglang_servers_fork_their_scheduler_and_detokenizer_on_cpu(sglang_servers):
     """On CPU a server's children are forked, not spawned (the shim's plugin, patch two): the
     detokenizer never imports torch, transformers and SGLang again (spawned, it spent 17.9
