@@ -57,7 +57,7 @@ def tiny_arithmetic() -> TrainConfig:
 def tiny_arithmetic_sft_rl() -> TrainConfig:
     """The embedded CPU main job (`make run`, 8-12 minutes on 2 cores): the tiny Qwen3-MoE of
     `tiny_arithmetic`, warm-started by supervised fine-tuning on the task's demonstrations of
-    the training problems (30 epochs, ~2 minutes), then 300 RL steps with one model per role.
+    the training problems (30 epochs, 2-4.5 minutes), then 300 RL steps with one model per role.
     RL raises the held-out Solver accuracy and the V-C system's accuracy at every seed measured,
     the Verifier's balanced accuracy and the Corrector's fix rate at most (README: what it
     learns, with intervals, and what it does not)."""
