@@ -298,6 +298,7 @@ def test_one_policy_per_role_with_reference_kl_time_shared(tmp_path):
     train(run, "run.steps=3", *per_role, "--resume")
     log = (run / "train.log").read_text()
     assert "no GPU, so the trainer's offload and SGLang's memory release are skipped" in log
+
     def step(n):
         return [(str(n), "to_training"), (str(n), "to_sync"), (str(n), "to_rollout")]
     for rank in (0, 1):
