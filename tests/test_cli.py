@@ -66,6 +66,16 @@ def test_train_recipe_errors_and_a_config_file(tmp_path, monkeypatch):
     (tmp_path / "bad.yaml").write_text("run:\n  stepz: 3\n")
     code, out = _marsrl("train", "--recipe", "tiny_arithmetic", "--config", tmp_path / "bad.yaml", "--print-config")
     assert code == 2 and "stepz" in out, out
+    # held-out problems that training would share: refused with the config
+    code, out = _marsrl("train", "--recipe", "tiny_arithmetic", "task.eval=arithmetic:eval?n=8&holdout=65",
+                        "--print-config")
+    assert code == 2 and "give both specs the same holdout" in out, out
+    # more held-out problems than the difficulty has: refused before the warm start trains
+    run = tmp_path / "run"
+    code, out = _marsrl("train", "--recipe", "tiny_arithmetic_sft_rl", f"run.output_dir={run}",
+                        "task.eval=arithmetic:eval?n=19&max_operand=9&max_terms=2&ops=%2B-")
+    assert code != 0 and "found only 18 distinct problems for n=19" in out, out[-3000:]
+    assert not (run / "warm_start").exists()
 
 
 @pytest.mark.slow

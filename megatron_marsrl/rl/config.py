@@ -16,6 +16,7 @@ from megatron_marsrl.algorithms.advantages import POOL_ACROSS_STAGES, AdvantageC
 from megatron_marsrl.algorithms.losses import PolicyLossConfig
 from megatron_marsrl.megatron.optim import OptimConfig
 from megatron_marsrl.megatron.parallel import ParallelConfig
+from megatron_marsrl.rl.data import check_arithmetic_splits
 from megatron_marsrl.rl.scheduler import SchedulerConfig
 from megatron_marsrl.rollout.factory import RolloutEngineConfig
 
@@ -125,6 +126,7 @@ class TaskConfig:
             raise ValueError(f"task.eval_size={self.eval_size}: must be >= 1")
         if self.eval_samples < 1:
             raise ValueError(f"task.eval_samples={self.eval_samples}: must be >= 1 (samples per held-out case)")
+        check_arithmetic_splits(self.train, self.eval)
 
 
 @dataclass(kw_only=True)

@@ -31,8 +31,9 @@ from megatron_marsrl.data_types import Problem
 log = logging.getLogger(__name__)
 
 EVAL_PERCENT = 10
-"""Share (in %) of arithmetic expressions that belong to the held-out split, chosen by a hash of
-the expression so that train and eval never share one, whatever the seeds and sizes."""
+"""Default share (in %) of arithmetic expressions that belong to the held-out split (the spec's
+`holdout`), chosen by a hash of the expression so that train and eval never share one, whatever
+the seeds and sizes, as long as both name the same share (`check_arithmetic_splits`)."""
 ARITHMETIC_SPEC = "arithmetic:"
 _TEMPLATES = ("What is {expr}?", "Compute {expr}.")
 _TEMPLATE_PATTERNS = tuple(re.compile(re.escape(t).replace(re.escape("{expr}"), "(?P<expr>[0-9+*() -]+)"))
@@ -148,26 +149,29 @@ def _row_id(row: dict, stem: str, line_no: int) -> str:
 
 # ---- generated arithmetic -------------------------------------------------------------------------
 
-def arithmetic_split(expression: str) -> str:
-    """"eval" for the EVAL_PERCENT of expressions whose hash falls there, else "train"."""
+def arithmetic_split(expression: str, holdout: int = EVAL_PERCENT) -> str:
+    """"eval" for the `holdout` percent of expressions whose hash falls there, else "train"."""
     digest = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
-    return "eval" if digest % 100 < EVAL_PERCENT else "train"
+    return "eval" if digest % 100 < holdout else "train"
 
 
 def arithmetic_problems(n: int, *, seed: int, split: str = "train", max_operand: int = 9,
-                        max_terms: int = 3, ops: str = "+-*", allow_negative: bool = False) -> list[Problem]:
+                        max_terms: int = 3, ops: str = "+-*", allow_negative: bool = False,
+                        holdout: int = EVAL_PERCENT) -> list[Problem]:
     """`n` distinct problems like "What is 7 + 5?" or "Compute 3 * 4 - 2." with integer answers.
 
     Each has 2..`max_terms` operands in 0..`max_operand` joined by operators from `ops`, with
     the usual precedence (* before + and -). Which split an expression belongs to depends only
-    on the expression (`arithmetic_split`), so "train" and "eval" never share one (phrasing
-    aside). Deterministic in (`seed`, `split`); raises DataError when the split holds fewer
-    than `n` distinct problems of this difficulty."""
+    on the expression and `holdout`, the percent of expressions held out (`arithmetic_split`),
+    so "train" and "eval" of one `holdout` never share one (phrasing aside). Deterministic in
+    (`seed`, `split`); raises DataError when the split holds fewer than `n` distinct problems of
+    this difficulty."""
     if split not in ("train", "eval"):
         raise DataError(f"arithmetic split {split!r}: use 'train' or 'eval'")
-    if n < 1 or max_operand < 1 or max_terms < 2 or not ops or set(ops) - set("+-*"):
-        raise DataError(f"arithmetic: need n >= 1, max_operand >= 1, max_terms >= 2 and ops from '+-*' "
-                        f"(got n={n}, max_operand={max_operand}, max_terms={max_terms}, ops={ops!r})")
+    if n < 1 or max_operand < 1 or max_terms < 2 or not ops or set(ops) - set("+-*") or not 0 < holdout < 100:
+        raise DataError(f"arithmetic: need n >= 1, max_operand >= 1, max_terms >= 2, ops from '+-*' and "
+                        f"holdout in 1..99 (got n={n}, max_operand={max_operand}, max_terms={max_terms}, "
+                        f"ops={ops!r}, holdout={holdout})")
     rng = random.Random(f"arithmetic:{seed}:{split}")
     problems: dict[str, Problem] = {}
     for _ in range(50 * n + 1000):  # rejection sampling; the cap only bites on tiny pools
@@ -177,14 +181,14 @@ def arithmetic_problems(n: int, *, seed: int, split: str = "train", max_operand:
         operators = [rng.choice(ops) for _ in operands[1:]]
         expr = " ".join([str(operands[0])] + [f"{o} {v}" for o, v in zip(operators, operands[1:])])
         value = _evaluate(operands, operators)
-        if expr in problems or arithmetic_split(expr) != split or (value < 0 and not allow_negative):
+        if expr in problems or arithmetic_split(expr, holdout) != split or (value < 0 and not allow_negative):
             continue
         text = rng.choice(_TEMPLATES).format(expr=expr)
         problems[expr] = Problem(id=f"arith-{split}-{hashlib.sha1(expr.encode()).hexdigest()[:12]}",
                                  problem=text, answer=str(value))
     if len(problems) < n:
         raise DataError(f"arithmetic {split}: found only {len(problems)} distinct problems for n={n}; "
-                        "raise max_operand or max_terms")
+                        f"ask for fewer, or raise max_operand, max_terms or (for eval) holdout={holdout}")
     return list(problems.values())
 
 
@@ -218,6 +222,24 @@ def dataset_from_spec(spec: str) -> list[Problem]:
     """Problems named by a spec string (see the module docstring)."""
     if not spec.startswith(ARITHMETIC_SPEC):
         return load_problems(spec).problems
+    split, kwargs = _arithmetic_args(spec)
+    return arithmetic_problems(split=split, **kwargs)
+
+
+def check_arithmetic_splits(train: str, eval: str) -> None:
+    """Raise DataError when the training and held-out specs are both generated arithmetic but
+    hold out different shares: an expression held out under one would be trained under the
+    other. Other specs pass."""
+    if not (train.startswith(ARITHMETIC_SPEC) and eval.startswith(ARITHMETIC_SPEC)):
+        return
+    shares = [_arithmetic_args(spec)[1].get("holdout", EVAL_PERCENT) for spec in (train, eval)]
+    if shares[0] != shares[1]:
+        raise DataError(f"task.train holds out holdout={shares[0]}% of the expressions and task.eval "
+                        f"holdout={shares[1]}%: the two would share problems; give both specs the same holdout")
+
+
+def _arithmetic_args(spec: str) -> tuple[str, dict[str, Any]]:
+    """The split and the `arithmetic_problems` keywords an "arithmetic:" spec names."""
     split, _, query = spec[len(ARITHMETIC_SPEC):].partition("?")
     kwargs: dict[str, Any] = {"n": 256, "seed": 0}
     try:
@@ -226,11 +248,12 @@ def dataset_from_spec(spec: str) -> list[Problem]:
         raise DataError(f"dataset spec {spec!r}: bad query {query!r} ({exc}); use key=value&key=value") from None
     for key, value in pairs:
         kwargs[key] = _spec_value(spec, key, value)
-    return arithmetic_problems(split=split or "train", **kwargs)
+    return split or "train", kwargs
 
 
 def _spec_value(spec: str, key: str, value: str) -> Any:
-    kinds = {"n": int, "seed": int, "max_operand": int, "max_terms": int, "ops": str, "allow_negative": bool}
+    kinds = {"n": int, "seed": int, "max_operand": int, "max_terms": int, "ops": str, "allow_negative": bool,
+             "holdout": int}
     if key not in kinds:
         raise DataError(f"dataset spec {spec!r}: unknown parameter {key!r}; valid: {', '.join(kinds)}")
     try:

@@ -31,6 +31,7 @@ from megatron_marsrl.precision import choose_dtype
 from megatron_marsrl.procs import StopSignals, exit_with_launcher
 from megatron_marsrl.rl import checkpoint
 from megatron_marsrl.rl.config import ROLES, TrainConfig
+from megatron_marsrl.rl.data import dataset_from_spec
 from megatron_marsrl.rl.node_engines import NodeEngines, NodeRank, check_placement, gather_remote, spreads
 from megatron_marsrl.rl.messages import StepAbort, StepEnd, StepMessage, TrainPhase, TrainRound, Update
 from megatron_marsrl.rl.scheduler import MicroBatchScheduler, Round, SeqItem
@@ -52,6 +53,9 @@ class Trainer:
         exit_with_launcher()  # ...taking every process this rank starts along
         where = NodeRank.from_env()
         check_placement(config, where)
+        if int(os.environ.get("RANK", 0)) == 0:  # the rank that reads them: a bad dataset fails before the warm start
+            for spec in filter(None, (config.task.train, config.task.eval)):
+                dataset_from_spec(spec)
         self.hf_dir = self._initial_model()
         self.arch = ModelArch.from_hf_dir(self.hf_dir)
         init_parallel(config.parallel, self.arch, seed=config.run.seed)
@@ -167,7 +171,7 @@ class Trainer:
         out = self.run_dir / "warm_start"
         if warm.data == "task":
             from megatron_marsrl.agents.arithmetic import demonstrations
-            from megatron_marsrl.rl.data import arithmetic_phrasings, dataset_from_spec
+            from megatron_marsrl.rl.data import arithmetic_phrasings
             from megatron_marsrl.rl.rollout_side import role_set
 
             conversations = demonstrations(arithmetic_phrasings(dataset_from_spec(self.config.task.train)),

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_marsrl.data_types import Problem
 from megatron_marsrl.rl.data import (DataError, ProblemStream, arithmetic_phrasings, arithmetic_problems,
-                                     arithmetic_split, dataset_from_spec, load_problems)
+                                     arithmetic_split, check_arithmetic_splits, dataset_from_spec, load_problems)
 
 _ROOT = Path(__file__).resolve().parents[2]
 _EVAL_DIRS = [_ROOT.parent / "shared" / "data", _ROOT / "shared" / "data"]
@@ -139,6 +139,37 @@ def test_arithmetic_splits_are_disjoint():
         arithmetic_problems(100, seed=0, split="eval", max_terms=2)
     with pytest.raises(DataError, match="split"):
         arithmetic_problems(10, seed=0, split="test")
+
+
+def test_a_larger_holdout_moves_expressions_from_train_to_eval_only():
+    """`holdout` is the percent held out: the two splits of one holdout are disjoint and cover
+    the difficulty's expressions, and raising it moves expressions out of training into the
+    held-out split, never back."""
+    every = {f"{a} + {b}" for a in range(10) for b in range(10)} | \
+        {f"{a} - {b}" for a in range(10) for b in range(a + 1)}
+    expr = lambda p: p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")  # noqa: E731
+
+    def split(name, holdout):
+        size = sum(arithmetic_split(e, holdout) == name for e in every)
+        problems = arithmetic_problems(size, seed=0, split=name, max_operand=9, max_terms=2, ops="+-", holdout=holdout)
+        return {expr(p) for p in problems}
+
+    train10, eval10, train65, eval65 = split("train", 10), split("eval", 10), split("train", 65), split("eval", 65)
+    assert train10 | eval10 == train65 | eval65 == every and not train10 & eval10 and not train65 & eval65
+    assert eval10 < eval65 and train65 < train10 and len(eval65) >= 100
+    with pytest.raises(DataError, match="only 101 distinct.*holdout=65"):
+        arithmetic_problems(102, seed=0, split="eval", max_operand=9, max_terms=2, ops="+-", holdout=65)
+    for holdout in (0, 100):
+        with pytest.raises(DataError, match="holdout in 1..99"):
+            arithmetic_problems(5, seed=0, holdout=holdout)
+
+
+def test_train_and_eval_specs_must_hold_out_the_same_share(tmp_path):
+    check_arithmetic_splits("arithmetic:train?n=50&holdout=65", "arithmetic:eval?n=100&holdout=65")
+    check_arithmetic_splits("arithmetic:train?n=50&holdout=10", "arithmetic:eval?n=10")  # 10 is the default
+    check_arithmetic_splits(str(tmp_path / "train.jsonl"), "arithmetic:eval?n=10&holdout=65")  # a file: no split
+    with pytest.raises(DataError, match="holdout=10% .* holdout=65%.*same holdout"):
+        check_arithmetic_splits("arithmetic:train?n=50", "arithmetic:eval?n=100&holdout=65")
 
 
 def test_each_arithmetic_problem_in_both_wordings_and_others_as_they_are():
