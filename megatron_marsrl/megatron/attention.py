@@ -8,8 +8,10 @@ block-diagonal causal mask). On 2 CPU cores with SmolLM2-135M it was ~20% of a t
 micro-batch of 800 tokens and grows with T^2. `SequenceAttention` reads the blocks back from the
 mask (checked exactly; any other mask takes torch SDPA with the mask) and runs
 `scaled_dot_product_attention(is_causal=True)` on each, so a micro-batch costs the sum of its
-sequences' squares. It has no parameters of its own: checkpoints and the HF mapping are
-unchanged. Features the subclass does not cover (packed_seq_params, attention bias, non-vanilla
+sequences' squares. The mask forward.py builds carries its blocks, so each layer reads them
+instead of rebuilding and comparing the [T, T] mask (at T ~2,000 that took ~17 ms per layer on
+2 cores, more than the mask itself). It has no parameters of its own: checkpoints and the HF
+mapping are unchanged. Features the subclass does not cover (packed_seq_params, attention bias, non-vanilla
 softmax, attention dropout in training) go to Megatron's own forward.
 """
 from __future__ import annotations
@@ -19,21 +21,33 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
+_BLOCKS = "marsrl_causal_blocks"
+"""The attribute of a `packed_causal_mask` result that holds its sequences' [start, end)."""
+
+
 def packed_causal_mask(block: torch.Tensor) -> torch.Tensor:
     """The mask of a packed row whose position i belongs to sequence ``block[i]``: causal within
-    each sequence, nothing across (Megatron's convention: bool, True = masked out), [1, 1, T, T]."""
+    each sequence, nothing across (Megatron's convention: bool, True = masked out), [1, 1, T, T].
+    ``block`` is non-decreasing (sequences one after another); the mask carries their
+    [start, end) for `causal_blocks`."""
     causal = torch.ones(block.numel(), block.numel(), dtype=torch.bool, device=block.device).tril()
-    return ~(causal & (block[:, None] == block[None, :]))[None, None]
+    mask = ~(causal & (block[:, None] == block[None, :]))[None, None]
+    edges = [0, *(torch.nonzero(block.diff()).flatten() + 1).tolist(), block.numel()]
+    setattr(mask, _BLOCKS, list(zip(edges[:-1], edges[1:])))
+    return mask
 
 
 def causal_blocks(mask: torch.Tensor | None, length: int) -> list[tuple[int, int]] | None:
     """[start, end) of each sequence when ``mask`` (Megatron's convention: bool, True = masked
     out, [1, 1, length, length]) is block-diagonal causal; the whole row for None (Megatron's
-    default causal mask); None for any other mask."""
+    default causal mask); None for any other mask. A mask made by `packed_causal_mask` answers
+    from the blocks it carries; any other is read and checked element by element."""
     if mask is None:
         return [(0, length)]
     if mask.dtype != torch.bool or mask.shape != (1, 1, length, length):
         return None
+    if hasattr(mask, _BLOCKS):
+        return getattr(mask, _BLOCKS)
     # a sequence starts where a position may not see the one before it
     starts = torch.cat([torch.zeros(1, dtype=torch.long, device=mask.device),
                         torch.nonzero(mask[0, 0].diagonal(-1)).flatten() + 1])

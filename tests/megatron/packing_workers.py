@@ -98,12 +98,26 @@ def packed_vs_rows(hf_dir: str, layout: dict, replay: bool = False) -> dict:
         seen["reference"] = micro_batch_logprobs(ddp, batch, temperature=0.7).cpu()
         return seen, grads
 
-    (got, got_grads), (ref, ref_grads) = run(packed), run(rows)
+    from megatron_marsrl.megatron import attention
+
+    carried, read_back = [], attention.causal_blocks
+
+    def spy(mask, length):  # does each layer get the mask with its blocks (no [T, T] rebuild)?
+        carried.append(mask is not None and hasattr(mask, attention._BLOCKS))
+        return read_back(mask, length)
+
+    attention.causal_blocks = spy
+    try:
+        got, got_grads = run(packed)
+    finally:
+        attention.causal_blocks = read_back
+    ref, ref_grads = run(rows)
     norms = [float(g.norm()) for g in ref_grads.values()]
     diffs = {n: float((got_grads[n] - ref_grads[n]).abs().max()) for n in ref_grads}
     out = {"grad": max(diffs.values()), "worst": max(diffs, key=diffs.get),
            "grad_norm": max(norms), "params": len(norms),
-           "reference": float((got["reference"] - ref["reference"])[trained].abs().max())}
+           "reference": float((got["reference"] - ref["reference"])[trained].abs().max()),
+           "attention_calls": len(carried), "blocks_carried": sum(carried)}
     for key in ("logp", "entropy"):
         out[key] = float((got[key] - ref[key])[trained].abs().max()) if key in got else None
     return out

@@ -8,7 +8,8 @@ from megatron_marsrl.megatron import cpu_compat
 
 cpu_compat.apply()  # megatron-core's attention modules import CUDA-only packages without it
 
-from megatron_marsrl.megatron.attention import causal_blocks  # noqa: E402
+from megatron_marsrl.megatron import attention  # noqa: E402
+from megatron_marsrl.megatron.attention import causal_blocks, packed_causal_mask  # noqa: E402
 
 
 def _packed_mask(lengths):
@@ -34,3 +35,14 @@ def test_other_masks_are_not_taken_for_blocks():
     full = torch.zeros(1, 1, 7, 7, dtype=torch.bool)  # bidirectional
     assert causal_blocks(full, 7) is None
     assert causal_blocks(mask.expand(2, 1, 7, 7), 7) is None  # one mask per row: not a packed row
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 1, 4], [7, 2, 9, 1]])
+def test_a_packed_mask_carries_its_blocks(lengths, monkeypatch):
+    block = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = packed_causal_mask(block)
+    assert torch.equal(mask, _packed_mask(lengths))
+    expected = causal_blocks(_packed_mask(lengths), sum(lengths))  # read back element by element
+    monkeypatch.setattr(attention, "packed_causal_mask", None)  # the carried blocks need no rebuild
+    assert causal_blocks(mask, sum(lengths)) == expected
+    assert causal_blocks(mask, sum(lengths) + 1) is None  # a mask of another length is not this row's

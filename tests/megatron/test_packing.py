@@ -28,6 +28,8 @@ def test_packed_equals_padded_rows(tiny_hf, layout):
         assert r["grad_norm"] > 1e-3, r  # the loss reaches the parameters: the comparison means something
         assert r["grad"] < 1e-5, r
         assert r["reference"] < 1e-5, r
+        # every attention layer of the packed runs read the blocks the mask carries
+        assert r["attention_calls"] > 0 and r["blocks_carried"] == r["attention_calls"], r
         if r["logp"] is not None:
             assert r["logp"] < 1e-5 and r["entropy"] < 1e-5, r
 
