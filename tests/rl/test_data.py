@@ -34,6 +34,11 @@ def write_lines(path: Path, lines: list[str | bytes]) -> Path:
     return path
 
 
+def _expression(problem) -> str:
+    """The expression of a generated problem, without its wording."""
+    return problem.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
+
+
 def test_bad_rows_reported_with_line_numbers_and_counted(tmp_path, caplog):
     path = write_lines(tmp_path / "mixed.jsonl", [
         json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}),          # 1 ok
@@ -112,7 +117,7 @@ def test_arithmetic_is_deterministic_and_well_formed():
     assert a != arithmetic_problems(300, seed=4)
     assert len({p.problem for p in a}) == len({p.id for p in a}) == 300
     for p in a:
-        expr = p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
+        expr = _expression(p)
         assert int(p.answer) == eval(expr) >= 0  # noqa: S307 - our own digits and + - * only
         assert all(int(tok) <= 9 for tok in expr.split() if tok.isdigit())
     small = arithmetic_problems(50, seed=0, max_terms=2, ops="+")
@@ -131,10 +136,9 @@ def test_arithmetic_fits_the_embedded_task_vocabulary():
 def test_arithmetic_splits_are_disjoint():
     train = arithmetic_problems(2000, seed=0, split="train")
     evals = arithmetic_problems(300, seed=0, split="eval") + arithmetic_problems(300, seed=1, split="eval")
-    expr = lambda p: p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")  # noqa: E731
-    assert not {expr(p) for p in train} & {expr(p) for p in evals}
+    assert not {_expression(p) for p in train} & {_expression(p) for p in evals}
     assert not {p.problem for p in train} & {p.problem for p in evals}
-    assert all(arithmetic_split(expr(p)) == "eval" for p in evals)
+    assert all(arithmetic_split(_expression(p)) == "eval" for p in evals)
     with pytest.raises(DataError, match="only"):
         arithmetic_problems(100, seed=0, split="eval", max_terms=2)
     with pytest.raises(DataError, match="split"):
@@ -147,12 +151,11 @@ def test_a_larger_holdout_moves_expressions_from_train_to_eval_only():
     held-out split, never back."""
     every = {f"{a} + {b}" for a in range(10) for b in range(10)} | \
         {f"{a} - {b}" for a in range(10) for b in range(a + 1)}
-    expr = lambda p: p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")  # noqa: E731
 
     def split(name, holdout):
         size = sum(arithmetic_split(e, holdout) == name for e in every)
         problems = arithmetic_problems(size, seed=0, split=name, max_operand=9, max_terms=2, ops="+-", holdout=holdout)
-        return {expr(p) for p in problems}
+        return {_expression(p) for p in problems}
 
     train10, eval10, train65, eval65 = split("train", 10), split("eval", 10), split("train", 65), split("eval", 65)
     assert train10 | eval10 == train65 | eval65 == every and not train10 & eval10 and not train65 & eval65
@@ -178,7 +181,7 @@ def test_each_arithmetic_problem_in_both_wordings_and_others_as_they_are():
     out = arithmetic_phrasings([*problems, other])
     assert out[-1] == other and len(out) == 2 * len(problems) + 1
     for p, (a, b) in zip(problems, zip(out[0:-1:2], out[1:-1:2])):
-        expr = p.problem.removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
+        expr = _expression(p)
         assert (a.problem, b.problem) == (f"What is {expr}?", f"Compute {expr}.")
         assert a.id == b.id == p.id and a.answer == b.answer == p.answer
         assert p in (a, b)
