@@ -12,9 +12,10 @@ not end with the tokenizer's EOS token gets one appended, so the model learns wh
 
 Training: the same Megatron actor and forward path as `marsrl train` (any TP / PP / EP
 layout, packed micro-batches of at most `token_budget` tokens, one row each); an optimizer
-step per `batch_sequences` conversations, the loss the mean NLL over the batch's assistant
-tokens. Each step logs train/loss, train/tokens and sft/grad_norm; with held-out data,
-eval/loss before the first step and after the last (and every `eval_every` steps).
+step per `batch_sequences` conversations, dealt in turn to the data-parallel ranks
+(`dp_rounds`), the loss the mean NLL over the batch's assistant tokens. Each step logs
+train/loss, train/tokens and sft/grad_norm; with held-out data, eval/loss before the first
+step and after the last (and every `eval_every` steps).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_marsrl.megatron.optim import OptimConfig
-from megatron_marsrl.megatron.parallel import ParallelConfig, gather_data_parallel
+from megatron_marsrl.megatron.parallel import ParallelConfig, sum_data_parallel
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +214,12 @@ def _nll_loss(logp: torch.Tensor, entropy, batch: dict):
     return nll, {"nll_sum": nll.detach(), "tokens": mask.sum().to(logp.dtype)}
 
 
-def _rounds(mbs: list[list[Example]], dp: int) -> list[list[list[Example]]]:
-    """Micro-batches dealt round by round to the data-parallel ranks ([] where a rank has none)."""
-    return [[mbs[r + i] if r + i < len(mbs) else [] for i in range(dp)] for r in range(0, len(mbs), dp)]
+def dp_rounds(examples: list[Example], dp: int, token_budget: int) -> list[list[list[Example]]]:
+    """A batch's examples dealt in turn to the data-parallel ranks, each rank's share packed
+    into micro-batches: round by round, one micro-batch per rank ([] where a rank has run out).
+    Every rank computes every share, so all agree on the number of rounds."""
+    shares = [micro_batches(examples[rank::dp], token_budget) for rank in range(dp)]
+    return [[mbs[r] if r < len(mbs) else [] for mbs in shares] for r in range(max(map(len, shares)))]
 
 
 def run_rank(cfg: SFTConfig) -> dict:
@@ -264,18 +268,15 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
     def batch_of(mine: list[Example]) -> dict:
         return pack_sequences([_sequence(ex) for ex in mine] if mine else [filler])
 
-    def dp_sum(*values: float) -> list[float]:
-        return [sum(column) for column in zip(*gather_data_parallel(values))]
-
     def evaluate() -> float:
         nll = tokens = 0.0
-        for rnd in _rounds(micro_batches(held_out, cfg.token_budget), dp):
+        for rnd in dp_rounds(held_out, dp, cfg.token_budget):
             batch = batch_of(rnd[dp_rank])
             logp = forward.micro_batch_logprobs(actor.module, batch)
             mask = batch["response_mask"]
             nll -= float(torch.where(mask, logp.cpu(), torch.zeros(())).sum())
             tokens += float(mask.sum())
-        nll, tokens = dp_sum(nll, tokens)
+        nll, tokens = sum_data_parallel((nll, tokens))
         return nll / max(tokens, 1.0)
 
     observer = None
@@ -290,11 +291,11 @@ def fine_tune(cfg: SFTConfig, conversations: list[list[dict]], *, quiet: bool = 
             observer.log(0, {"eval/loss": summary["eval_loss_first"]})
     for step, examples in enumerate(steps, start=1):
         nll = tokens = 0.0
-        for rnd in _rounds(micro_batches(examples, cfg.token_budget), dp):
+        for rnd in dp_rounds(examples, dp, cfg.token_budget):
             metrics = actor.train_micro_batch(batch_of(rnd[dp_rank]), _nll_loss, with_entropy=False)
             nll += metrics["nll_sum"]
             tokens += metrics["tokens"]
-        nll, tokens = dp_sum(nll, tokens)
+        nll, tokens = sum_data_parallel((nll, tokens))
         report = actor.finish_step(grad_scale=dp / max(tokens, 1.0), max_grad_norm=None)
         scalars = {"train/loss": nll / max(tokens, 1.0), "train/tokens": tokens, "sft/grad_norm": report["grad_norm"]}
         summary["train_loss_last"] = scalars["train/loss"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_marsrl.agents import arithmetic
-from megatron_marsrl.sft import (Example, batches, load_conversations, micro_batches, preflight,
+from megatron_marsrl.sft import (Example, dp_rounds, batches, load_conversations, micro_batches, preflight,
                                  tokenize_conversation, SFTConfig)
 
 
@@ -98,6 +98,25 @@ def test_batches_cover_every_example_once_per_epoch_and_pack_within_the_budget()
     assert steps[:3] != steps[3:]  # reshuffled
     for mb in micro_batches(steps[0], 9):
         assert sum(len(ex.ids) for ex in mb) <= 9
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_a_batch_is_shared_between_the_data_parallel_ranks(dp):
+    """Each data-parallel rank trains its own part of a batch (not one rank the whole batch
+    while the others wait): every example once, each rank a near-equal share within the budget,
+    the same number of rounds on every rank."""
+    examples = [Example(ids=[i] * (1 + i % 5), loss_mask=[True] * (1 + i % 5)) for i in range(23)]
+    rounds = dp_rounds(examples, dp, 9)
+    assert all(len(rnd) == dp for rnd in rounds)
+    assert sorted(ex.ids[0] for rnd in rounds for mb in rnd for ex in mb) == list(range(23))
+    counts = [sum(len(rnd[rank]) for rnd in rounds) for rank in range(dp)]
+    assert max(counts) - min(counts) <= 1, counts
+    for rnd in rounds:
+        assert all(sum(len(ex.ids) for ex in mb) <= 9 for mb in rnd)
+    assert dp_rounds([], dp, 9) == []
+    # a batch that fits one micro-batch still goes to every rank
+    [single] = dp_rounds(examples, dp, 1000)
+    assert [len(mb) for mb in single] == [len(examples[rank::dp]) for rank in range(dp)]
 
 
 # ---- real runs ------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from megatron_marsrl.algorithms.losses import PolicyLossInputs, dmmpt_gate, poli
 from megatron_marsrl.data_types import Group, Sample
 from megatron_marsrl.megatron.actor import PolicyActor, Sequence, pack_sequences
 from megatron_marsrl.megatron.hf_config import ModelArch
-from megatron_marsrl.megatron.parallel import gather_data_parallel, init_parallel
+from megatron_marsrl.megatron.parallel import gather_data_parallel, init_parallel, sum_data_parallel
 from megatron_marsrl.precision import choose_dtype
 from megatron_marsrl.procs import StopSignals, exit_with_launcher
 from megatron_marsrl.rl import checkpoint
@@ -364,7 +364,7 @@ class Trainer:
     def _update(self, policy: str, acc: MetricSums) -> None:
         """Every rank: the optimizer step of one PPO mini-batch, normalised by its loss units
         (summed over data-parallel ranks)."""
-        units = sum(gather_data_parallel(acc.units[policy] - acc.applied[policy]))
+        [units] = sum_data_parallel([acc.units[policy] - acc.applied[policy]])
         acc.applied[policy] = acc.units[policy]
         if units == 0:  # only empty stand-in sequences: nothing to step on
             self.actors[policy].skip_step()
