@@ -2,9 +2,10 @@
 
 Runs `marsrl train` once per (variant, seed) on a recipe (the CPU main job by default), each
 variant a set of config overrides (`VARIANTS`), and reports the final held-out figures as
-mean +- std over seeds, then each run's first and final figures with their 95% intervals: a
-markdown file (learning.md), a bar chart (learning.png) and one JSON record per run
-(runs.jsonl), all in the output directory next to the runs themselves.
+mean +- std over seeds, their change from the first evaluation (mean +- std, and at how many
+seeds the last 95% interval clears the first), then each run's first and final figures with
+their intervals: a markdown file (learning.md), a bar chart (learning.png) and one JSON record
+per run (runs.jsonl), all in the output directory next to the runs themselves.
 
 The variants of a seed start from the same warm start (the recipe's supervised fine-tuning, if
 it has one): the first run of a seed trains it and the later ones get a copy, which `marsrl
@@ -155,6 +156,55 @@ def summarize(results: list[RunResult]) -> dict[str, dict[str, tuple[float, floa
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class Change:
+    """One variant's change of one figure from its first evaluation to its last, over seeds."""
+
+    mean: float
+    std: float
+    """Sample standard deviation of the seeds' changes."""
+    above: int
+    """Seeds whose last 95% interval lies wholly above their first one."""
+    below: int
+    """Seeds whose last interval lies wholly below their first one."""
+    seeds: int
+    """Seeds that logged the figure at both evaluations."""
+
+
+def changes(results: list[RunResult]) -> dict[str, dict[str, Change]]:
+    """variant -> metric -> what RL changed (last evaluation minus first) over the seeds, and at
+    how many seeds the two evaluations' intervals do not overlap (only runs that logged them)."""
+    out: dict[str, dict[str, Change]] = {}
+    for variant in dict.fromkeys(r.variant for r in results):
+        mine = [r for r in results if r.variant == variant]
+        row = {}
+        for m in METRICS:
+            both = [r for r in mine if m in r.first and m in r.final]
+            if not both:
+                continue
+            mean, std = mean_std([r.final[m] - r.first[m] for r in both])
+            bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in (m + "/ci_low", m + "/ci_high"))]
+            row[m] = Change(mean=mean, std=std, seeds=len(both),
+                            above=sum(r.final[m + "/ci_low"] > r.first[m + "/ci_high"] for r in bounded),
+                            below=sum(r.final[m + "/ci_high"] < r.first[m + "/ci_low"] for r in bounded))
+        out[variant] = row
+    return out
+
+
+def changes_markdown(table: dict[str, dict[str, Change]]) -> str:
+    """The `changes` table: mean +- std of the change, and the seeds whose intervals separate."""
+    metrics = [m for m in METRICS if any(m in row for row in table.values())]
+    head = ["variant", *(m[len("eval/"):] for m in metrics)]
+    lines = ["Change from the first evaluation to the last, mean +- std over seeds (seeds whose last 95% "
+             "interval lies wholly above / below their first):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, row in table.items():
+        cells = [f"{row[m].mean:+.3f} +- {row[m].std:.3f} ({row[m].above}/{row[m].seeds} above, "
+                 f"{row[m].below} below)" if m in row else "-" for m in metrics]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(summary: dict[str, dict[str, tuple[float, float]]], *, seeds: list[int], command: str,
              warm_starts: Sequence[float] = ()) -> str:
     """The results table (mean +- std over the seeds), and the warm starts trained (seconds)."""
@@ -200,7 +250,7 @@ def write_report(results: list[RunResult], out_dir: Path, *, seeds: list[int], c
     summary = summarize(results)
     text = markdown(summary, seeds=seeds, command=command,
                     warm_starts=[r.warm_start_seconds for r in results if r.warm_start_seconds > 0])
-    text += "\n" + per_run_markdown(results)
+    text += "\n" + changes_markdown(changes(results)) + "\n" + per_run_markdown(results)
     (out_dir / "learning.md").write_text(text)
     (out_dir / "runs.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
     groups = {m[len("eval/"):]: {v: row[m] for v, row in summary.items() if m in row} for m in METRICS}
