@@ -68,7 +68,7 @@ class RunResult:
     """The last evaluation's `METRICS` (those logged), with their interval ends (``/ci_low``,
     ``/ci_high``) where the run logged them."""
     first: dict[str, float]
-    """The first evaluation's (before any RL step), the same way."""
+    """The first evaluation's (before any RL step), the same way; empty when the run logged only one."""
     seconds: float
     """The whole run's wall time."""
     warm_start_seconds: float
@@ -130,7 +130,9 @@ def run_one(recipe: str, variant: str, seed: int, out_dir: Path, overrides: list
     pick = lambda r: {k: r[k] for m in METRICS for k in (m, m + "/ci_low", m + "/ci_high") if k in r}  # noqa: E731
     summary = run_dir / "warm_start" / "summary.json"
     trained = summary.is_file() and summary.stat().st_mtime >= started_at
-    return RunResult(variant=variant, seed=seed, final=pick(evals[-1]), first=pick(evals[0]),
+    # one evaluation is no "before and after": its figures are the final ones only
+    return RunResult(variant=variant, seed=seed, final=pick(evals[-1]),
+                     first=pick(evals[0]) if len(evals) > 1 else {},
                      seconds=time.perf_counter() - start,
                      warm_start_seconds=json.loads(summary.read_text())["seconds"] if trained else 0.0,
                      run_dir=str(run_dir))
@@ -167,6 +169,8 @@ class Change:
     """Seeds whose last 95% interval lies wholly above their first one."""
     below: int
     """Seeds whose last interval lies wholly below their first one."""
+    bounded: int
+    """Seeds that logged both intervals (what `above` and `below` count among)."""
     seeds: int
     """Seeds that logged the figure at both evaluations."""
 
@@ -184,11 +188,17 @@ def changes(results: list[RunResult]) -> dict[str, dict[str, Change]]:
                 continue
             mean, std = mean_std([r.final[m] - r.first[m] for r in both])
             bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in (m + "/ci_low", m + "/ci_high"))]
-            row[m] = Change(mean=mean, std=std, seeds=len(both),
+            row[m] = Change(mean=mean, std=std, seeds=len(both), bounded=len(bounded),
                             above=sum(r.final[m + "/ci_low"] > r.first[m + "/ci_high"] for r in bounded),
                             below=sum(r.final[m + "/ci_high"] < r.first[m + "/ci_low"] for r in bounded))
         out[variant] = row
     return out
+
+
+def _separated(change: Change) -> str:
+    if not change.bounded:
+        return "no intervals"
+    return f"{change.above}/{change.bounded} above, {change.below} below"
 
 
 def changes_markdown(table: dict[str, dict[str, Change]]) -> str:
@@ -199,8 +209,8 @@ def changes_markdown(table: dict[str, dict[str, Change]]) -> str:
              "interval lies wholly above / below their first):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, row in table.items():
-        cells = [f"{row[m].mean:+.3f} +- {row[m].std:.3f} ({row[m].above}/{row[m].seeds} above, "
-                 f"{row[m].below} below)" if m in row else "-" for m in metrics]
+        cells = [f"{row[m].mean:+.3f} +- {row[m].std:.3f} ({_separated(row[m])})" if m in row else "-"
+                 for m in metrics]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -51,7 +51,7 @@ def test_report_is_mean_and_sample_std_over_seeds(tmp_path):
     assert "| drmas | 0.600 +- 0.141 | 0.700 +- 0.141 | 1.5 |" in text
     assert "| at_grpo | 0.400 +- 0.000 | - | 1.0 |" in text
     assert "Minutes without the warm start: 2 trained, 2.0 min each" in text
-    assert "| drmas | +0.350 +- 0.141 (0/2 above, 0 below) |\n" in text  # the change table
+    assert "| drmas | +0.350 +- 0.141 (no intervals) |\n" in text  # the change table
     # each run's first and final figures, with the intervals it logged
     assert "| drmas | 2 | 0.25 -> 0.70 [0.60, 0.80] | - -> 0.80 |" in text
     assert "| at_grpo | 1 | 0.25 -> 0.40 [0.30, 0.50] | - -> - |" in text
@@ -75,11 +75,11 @@ def test_changes_count_the_seeds_whose_intervals_separate():
                         seconds=1.0, warm_start_seconds=0.0, run_dir="")
     table = bl.changes([run(1, 0.2, 0.5), run(2, 0.4, 0.45), run(3, 0.6, 0.4), bare])
     change = table["v"]["eval/solver/accuracy"]
-    assert (change.above, change.below, change.seeds) == (1, 1, 4)
+    assert (change.above, change.below, change.bounded, change.seeds) == (1, 1, 3, 4)
     assert change.mean == pytest.approx((0.3 + 0.05 - 0.2 + 0.1) / 4)
     assert change.std == pytest.approx(statistics.stdev([0.3, 0.05, -0.2, 0.1]))
     assert "eval/verifier/balanced_accuracy" not in table["v"]
-    assert "| v | +0.062 +- 0.206 (1/4 above, 1 below) |" in bl.changes_markdown(table)
+    assert "| v | +0.062 +- 0.206 (1/3 above, 1 below) |" in bl.changes_markdown(table)
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ def test_main_job_warm_starts_then_rl_trains_every_role_measured_with_intervals(
     """The README's main job (`make run`), its first 100 of 300 steps (CI time): the warm start
     answers in the task's format; RL raises the held-out Solver accuracy and the Corrector's fix
     rate, and the Verifier keeps judging the fixed right and wrong solutions apart (the warm
-    start already gets ~0.9 there; seed 1234: 0.896 at steps 0 and 100); every held-out figure
-    is logged with its interval, printed and drawn."""
+    start already gets 0.8-0.9 there; seed 1234 on the 2-core EPYC: 0.826 at step 0, 0.812 at
+    step 100; the bound is the learning-claims issue's per-seed target, 0.75); every held-out
+    figure is logged with its interval, printed and drawn."""
     run = tmp_path / "run"
     proc = train(run, "run.steps=100", recipe="tiny_arithmetic_sft_rl", timeout=1200)
     assert "warm start: 2400 SFT steps on 2560 conversations" in proc.stdout
@@ -24,7 +25,7 @@ def test_main_job_warm_starts_then_rl_trains_every_role_measured_with_intervals(
     assert first["eval/solver/parse_fail"] < 0.1  # the warm start answers in the task's format
     assert last["eval/solver/accuracy"] > first["eval/solver/accuracy"] + 0.1
     for record in (first, last):  # no constant verdict: right on most right and most wrong solutions
-        assert record["eval/verifier/balanced_accuracy"] >= 0.8
+        assert record["eval/verifier/balanced_accuracy"] >= 0.75
         assert min(record["eval/verifier/recall"], record["eval/verifier/recall_correct"]) > 0.6
     assert last["eval/corrector/fix_rate"] > first["eval/corrector/fix_rate"]
     for record in (first, last):
