@@ -19,7 +19,7 @@ test:
 	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The suite without the tests marked slow (over ~7 s: marsrl train / convert / selfcheck runs,
-# SGLang engines, multi-node, cluster-recipe dry runs): 867 tests in about 4.3 minutes on 2 cores.
+# SGLang engines, multi-node, cluster-recipe dry runs): 876 tests, about 5 minutes on 2 cores.
 test-fast:
 	@scripts/test.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
