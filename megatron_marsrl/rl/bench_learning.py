@@ -187,7 +187,8 @@ def changes(results: list[RunResult]) -> dict[str, dict[str, Change]]:
             if not both:
                 continue
             mean, std = mean_std([r.final[m] - r.first[m] for r in both])
-            bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in (m + "/ci_low", m + "/ci_high"))]
+            ends = (m + "/ci_low", m + "/ci_high")
+            bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in ends)]
             row[m] = Change(mean=mean, std=std, seeds=len(both), bounded=len(bounded),
                             above=sum(r.final[m + "/ci_low"] > r.first[m + "/ci_high"] for r in bounded),
                             below=sum(r.final[m + "/ci_high"] < r.first[m + "/ci_low"] for r in bounded))
