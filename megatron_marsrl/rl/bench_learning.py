@@ -145,12 +145,19 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
+def _by_variant(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    """The runs of each variant, variants in their first run's order."""
+    out: dict[str, list[RunResult]] = {}
+    for r in results:
+        out.setdefault(r.variant, []).append(r)
+    return out
+
+
 def summarize(results: list[RunResult]) -> dict[str, dict[str, tuple[float, float]]]:
     """variant -> metric -> (mean, std) over seeds of the final figures, plus "seconds" (the
     runs' own, without a warm start they trained)."""
     out: dict[str, dict[str, tuple[float, float]]] = {}
-    for variant in dict.fromkeys(r.variant for r in results):
-        mine = [r for r in results if r.variant == variant]
+    for variant, mine in _by_variant(results).items():
         row = {m: mean_std([r.final[m] for r in mine if m in r.final]) for m in METRICS
                if any(m in r.final for r in mine)}
         row["seconds"] = mean_std([r.seconds - r.warm_start_seconds for r in mine])
@@ -179,19 +186,18 @@ def changes(results: list[RunResult]) -> dict[str, dict[str, Change]]:
     """variant -> metric -> what RL changed (last evaluation minus first) over the seeds, and at
     how many seeds the two evaluations' intervals do not overlap (only runs that logged them)."""
     out: dict[str, dict[str, Change]] = {}
-    for variant in dict.fromkeys(r.variant for r in results):
-        mine = [r for r in results if r.variant == variant]
+    for variant, mine in _by_variant(results).items():
         row = {}
         for m in METRICS:
             both = [r for r in mine if m in r.first and m in r.final]
             if not both:
                 continue
             mean, std = mean_std([r.final[m] - r.first[m] for r in both])
-            ends = (m + "/ci_low", m + "/ci_high")
-            bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in ends)]
+            low, high = m + "/ci_low", m + "/ci_high"
+            bounded = [r for r in both if all(k in d for d in (r.first, r.final) for k in (low, high))]
             row[m] = Change(mean=mean, std=std, seeds=len(both), bounded=len(bounded),
-                            above=sum(r.final[m + "/ci_low"] > r.first[m + "/ci_high"] for r in bounded),
-                            below=sum(r.final[m + "/ci_high"] < r.first[m + "/ci_low"] for r in bounded))
+                            above=sum(r.final[low] > r.first[high] for r in bounded),
+                            below=sum(r.final[high] < r.first[low] for r in bounded))
         out[variant] = row
     return out
 
